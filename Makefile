@@ -1,0 +1,34 @@
+# The two commands of the README: `make demo` and `make test`. Both install what is missing.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Pin the CPU build of torch on this kind of machine; set CONSTRAINTS= to keep your own torch.
+CONSTRAINTS ?= -c constraints/cpu.txt
+
+.PHONY: install demo test test-fast lint bench clean
+
+$(STAMP): pyproject.toml constraints/cpu.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(CONSTRAINTS) -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/firstlight models pull smollm2-135m
+	$(BIN)/firstlight generate --model smollm2-135m --prompt "The capital of France is" --max-tokens 24 --temperature 0
+
+test: $(STAMP)
+	$(BIN)/firstlight models pull smollm2-135m
+	$(BIN)/python -m pytest -m 'not device' -p no:cacheprovider
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,3 @@
+"""firstlight: bring large language models up on new hardware."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,47 @@
+"""The `firstlight` command: one sub-command per stage. No business logic lives here.
+
+Each stage keeps its sub-commands in its own `cli.py` (a typer app), imported here; those modules
+import heavy libraries (torch, transformers) inside the commands, so `firstlight --help` is quick.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from rich.console import Console
+
+from firstlight.bench.cli import app as bench_app
+from firstlight.engine.cli import serve
+from firstlight.errors import FirstlightError
+from firstlight.models.cli import app as models_app
+from firstlight.models.cli import generate
+from firstlight.sim.cli import app as sim_app
+
+app = typer.Typer(
+    name="firstlight",
+    help="Bring large language models up on new hardware: run, verify, serve, benchmark, simulate.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.add_typer(models_app, name="models")
+app.command()(generate)
+app.command()(serve)
+app.add_typer(bench_app, name="bench")
+app.add_typer(sim_app, name="sim")
+
+
+def main() -> None:
+    """Entry point: runs the app and turns user-facing errors into one line and an exit code."""
+    try:
+        app()
+    except FirstlightError as e:
+        Console(stderr=True).print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""The KV-cache contract between a model and whoever owns the memory.
+
+A model's forward takes `positions` and a `KVCache`. Per forward pass:
+
+    key_positions = cache.begin(positions)        # once, before the layers
+    k_all, v_all = cache.update(layer, k, v)      # in every attention layer
+    cache.end()                                   # once, after the layers
+
+`positions[b, s]` is the absolute position of new token s of row b, or -1 for padding.
+`key_positions[b, j]` is the absolute position of key j in the tensors `update` returns, or -1 where
+that slot holds no key. The model builds its masks from (positions, key_positions, sliding window),
+so a cache is free to lay memory out as it likes: contiguous (below), or paged blocks gathered
+through a block table (the engine's cache).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class KVCache(Protocol):
+    def begin(self, positions: torch.Tensor) -> torch.Tensor:
+        """Register the new tokens' positions [B, S]; return the key positions [B, L] of this pass."""
+        ...
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store new keys/values k, v: [B, Hkv, S, D]; return all keys/values [B, Hkv, L, D]."""
+        ...
+
+    def end(self) -> None:
+        """Commit the pass (advance lengths)."""
+        ...
+
+
+class NoCache:
+    """Attend only over the tokens of this pass (a plain full forward)."""
+
+    def begin(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return k, v
+
+    def end(self) -> None:
+        pass
+
+
+class ContiguousKVCache:
+    """Preallocated [B, Hkv, max_len, D] per layer; every row holds the same number of tokens.
+
+    Used by `generate` and the parity tests; the engine replaces it with a paged cache.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (batch_size, num_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len = max_len
+        self.length = 0  # tokens committed
+        self._new = 0  # tokens in the pass being run
+
+    def begin(self, positions: torch.Tensor) -> torch.Tensor:
+        batch, new = positions.shape
+        if self.length + new > self.max_len:
+            raise ValueError(f"KV cache full: {self.length} + {new} tokens > max_len {self.max_len}")
+        self._new = new
+        key_positions = torch.arange(self.length + new, device=positions.device)
+        return key_positions.unsqueeze(0).expand(batch, -1)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + self._new
+        self.k[layer][:, :, self.length : end] = k
+        self.v[layer][:, :, self.length : end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def end(self) -> None:
+        self.length += self._new
+        self._new = 0

@@ -1,0 +1,223 @@
+"""Building blocks shared by the model families: norms, rotary embedding, masks, attention, MLP.
+
+Shapes: B batch rows, S new tokens per row, L keys per row (cache + new), H query heads,
+Hkv key/value heads, D head dim, E hidden size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from firstlight.models.config import ModelConfig, RopeConfig
+from firstlight.models.kv_cache import KVCache, NoCache
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+class RMSNorm(nn.Module):
+    """Llama-style RMSNorm: normalize in fp32, cast back, then scale by weight (Zhang & Sennrich 2019)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma RMSNorm: scale by (1 + weight), all in fp32, then cast back."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).type_as(x)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [D/2], with Llama-3.1 or linear position scaling applied."""
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+    inv_freq = 1.0 / (rope.theta ** (steps / head_dim))
+    if rope.kind == "linear":
+        return inv_freq / rope.factor
+    if rope.kind == "llama3":
+        # Llama 3.1: low frequencies are divided by `factor`, high ones kept, a smooth blend between.
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [B, 1, S, D] for positions [B, S], computed in fp32 and cast to the model dtype."""
+    freqs = positions.float().unsqueeze(-1) * inv_freq  # [B, S, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [B, S, D]
+    return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, S, D] rotated by the (half-split, GPT-NeoX layout) rotary embedding."""
+    return x * cos + rotate_half(x) * sin
+
+
+def attention_mask(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None
+) -> torch.Tensor | None:
+    """Boolean mask [B, 1, S, L] (True = attend), or None when every query may see every key.
+
+    A key is visible when it exists (k_pos >= 0), is not in the future (k_pos <= q_pos) and, for a
+    sliding-window layer, lies within the window (q_pos - k_pos < window). Padding queries
+    (q_pos < 0) see everything, so their (discarded) rows stay finite.
+    """
+    q = q_pos.unsqueeze(-1)  # [B, S, 1]
+    k = k_pos.unsqueeze(-2)  # [B, 1, L]
+    allowed = (k >= 0) & (k <= q)
+    if window is not None:
+        allowed &= (q - k) < window
+    allowed |= q < 0
+    if q_pos.shape[1] == 1 and bool(allowed.all()):
+        return None  # decode with nothing masked: let SDPA take its unmasked path
+    return allowed.unsqueeze(1)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped KV heads (GQA), fused QKV, optional per-head q/k norm."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, norm_cls: type[nn.Module]) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
+        # One matmul for q, k and v: a decode step reads the weights once, in one kernel.
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: KVCache,
+    ) -> torch.Tensor:
+        batch, seq, _ = x.shape  # x: [B, S, E]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)  # q: [B, H, S, D]
+        k = k.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # k: [B, Hkv, S, D]
+        v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # v: [B, Hkv, S, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = cache.update(self.layer, k, v)  # k, v: [B, Hkv, L, D]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads
+        )  # out: [B, H, S, D]
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.q_size))
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), with gate and up fused into one matmul."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        if cfg.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden activation '{cfg.hidden_act}' not supported: {sorted(ACTIVATIONS)}")
+        self.act = ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class CausalLM(nn.Module):
+    """What every family provides: token ids + positions + cache → hidden states → logits."""
+
+    config: ModelConfig
+
+    def forward_hidden(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, S, V] for input_ids [B, S]; positions default to 0..S-1 (no cache)."""
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        return self.compute_logits(self.forward_hidden(input_ids, positions, cache))
+
+    def rope_tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """cos/sin per layer type, computed once per forward and shared by the layers."""
+        return {
+            t: rope_cos_sin(inv_freq.to(positions.device), positions, dtype) for t, inv_freq in self.inv_freq.items()
+        }
+
+    def masks(
+        self, positions: torch.Tensor, key_positions: torch.Tensor
+    ) -> dict[str, torch.Tensor | None]:
+        """Attention mask per layer type (full or sliding), built once per forward."""
+        cfg = self.config
+        return {
+            t: attention_mask(positions, key_positions, cfg.sliding_window if t == "sliding_attention" else None)
+            for t in self.inv_freq
+        }
+
+    def _init_rope(self) -> None:
+        # Kept in fp32 outside the module's buffers, so casting the model to bf16 leaves them exact.
+        cfg = self.config
+        self.inv_freq = {t: rope_inv_freq(cfg.rope[t], cfg.head_dim) for t in sorted(set(cfg.layer_types))}
+
+    @staticmethod
+    def _cache(cache: KVCache | None) -> KVCache:
+        return NoCache() if cache is None else cache

@@ -1,0 +1,172 @@
+"""Load one of our models from an HF checkpoint directory.
+
+A checkpoint dir holds config.json, model.safetensors (or shards listed in
+model.safetensors.index.json), tokenizer.json (+ tokenizer_config.json) and optionally
+generation_config.json. Every way this can go wrong ends in a ModelLoadError that names the file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from firstlight.errors import ModelLoadError
+from firstlight.models.config import ModelConfig
+from firstlight.models.hf_names import IGNORED, build_state_dict, hf_name
+from firstlight.models.layers import CausalLM
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype '{dtype}' is not supported; use one of: float32, bfloat16, float16")
+    return DTYPES[dtype]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ModelLoadError(f"{path} not found: a checkpoint dir needs it (is this an HF checkpoint dir?)")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path} is not valid JSON ({e}); re-download or re-pull the model") from e
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """ModelConfig from <dir>/config.json, with eos ids merged from generation_config.json."""
+    ckpt = _checkpoint_dir(path)
+    cfg = _read_json(ckpt / "config.json")
+    gen_path = ckpt / "generation_config.json"
+    if gen_path.is_file():
+        gen = _read_json(gen_path)
+        if gen.get("eos_token_id") is not None:
+            cfg = {**cfg, "eos_token_id": gen["eos_token_id"]}
+    return ModelConfig.from_hf(cfg, source=str(ckpt / "config.json"))
+
+
+def _checkpoint_dir(path: str | Path) -> Path:
+    ckpt = Path(path)
+    if not ckpt.exists():
+        raise ModelLoadError(f"model path {ckpt} does not exist; give a checkpoint dir or a name from `firstlight models list`")
+    if not ckpt.is_dir():
+        raise ModelLoadError(f"model path {ckpt} is a file, expected an HF checkpoint dir (GGUF files: `firstlight models convert`)")
+    return ckpt
+
+
+def _weight_files(ckpt: Path) -> list[Path]:
+    index = ckpt / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{index} has no 'weight_map'; re-download the checkpoint")
+        files = [ckpt / f for f in sorted(set(weight_map.values()))]
+    elif (ckpt / "model.safetensors").is_file():
+        files = [ckpt / "model.safetensors"]
+    else:
+        raise ModelLoadError(f"{ckpt} has no model.safetensors nor model.safetensors.index.json")
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ModelLoadError(f"{ckpt}: shard(s) listed in the index are missing: {', '.join(missing)}")
+    return files
+
+
+class _Tensors:
+    """Lazy name → tensor view over all safetensors files of a checkpoint."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self.handles: dict[str, Any] = {}
+        self.where: dict[str, Any] = {}
+        for f in files:
+            try:
+                handle = safe_open(str(f), framework="pt")
+                names = list(handle.keys())
+            except (SafetensorError, OSError, ValueError) as e:
+                raise ModelLoadError(f"{f} is not a readable safetensors file ({e}); it may be truncated or corrupt: re-pull/re-download it") from e
+            for n in names:
+                self.where[n] = (handle, f)
+
+    def names(self) -> set[str]:
+        return set(self.where)
+
+    def get(self, name: str) -> torch.Tensor:
+        handle, f = self.where[name]
+        try:
+            return handle.get_tensor(name)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise ModelLoadError(f"{f}: tensor {name} cannot be read ({e}); the file may be truncated: re-pull it") from e
+
+
+def model_class(cfg: ModelConfig) -> type[CausalLM]:
+    module_name, class_name = cfg.family.split(":")
+    return getattr(importlib.import_module(f"firstlight.models.{module_name}"), class_name)
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str = "cpu") -> CausalLM:
+    """An uninitialized model (weights on `device`, undefined values) for a config."""
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
+
+
+def load_model(
+    path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu", with_tokenizer: bool = True
+) -> tuple[CausalLM, Any]:
+    """(model, tokenizer) from an HF checkpoint dir; the tokenizer is None if with_tokenizer=False."""
+    ckpt = _checkpoint_dir(path)
+    cfg = load_config(ckpt)
+    torch_dtype = parse_dtype(dtype)
+    tensors = _Tensors(_weight_files(ckpt))
+    model = build_model(cfg, torch_dtype, device)
+    expected = dict(model.state_dict())
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+
+    def get_hf(name: str) -> torch.Tensor:
+        if name not in tensors.where:
+            raise ModelLoadError(f"{ckpt}: tensor {name} is missing from the checkpoint (config: {cfg.model_type}, {cfg.num_layers} layers)")
+        return tensors.get(name)
+
+    state = build_state_dict(list(expected), get_hf)
+    for name, tensor in state.items():
+        want = tuple(expected[name].shape)
+        if tuple(tensor.shape) != want:
+            raise ModelLoadError(
+                f"{ckpt}: tensor {name} has shape {list(tensor.shape)} in the checkpoint but the config implies {list(want)}"
+            )
+    used = {hf for name in state for hf in hf_name(name)}
+    if cfg.tie_word_embeddings:
+        used.add("lm_head.weight")
+    extra = sorted(n for n in tensors.names() - used if not IGNORED.match(n))
+    if extra:
+        raise ModelLoadError(f"{ckpt}: checkpoint has tensors the {cfg.model_type} config does not use: {', '.join(extra[:5])}")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            expected[name].copy_(tensor)
+    model.eval().requires_grad_(False)
+    tokenizer = load_tokenizer(ckpt) if with_tokenizer else None
+    return model, tokenizer
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The checkpoint's fast tokenizer (transformers), read offline from tokenizer.json."""
+    ckpt = _checkpoint_dir(path)
+    if not (ckpt / "tokenizer.json").is_file():
+        raise ModelLoadError(f"{ckpt} has no tokenizer.json; firstlight needs a fast tokenizer file")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(ckpt), local_files_only=True)
+    except Exception as e:  # transformers raises many kinds; all mean the same to the user
+        raise ModelLoadError(f"{ckpt}/tokenizer.json cannot be loaded ({type(e).__name__}: {e})") from e

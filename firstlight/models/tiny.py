@@ -1,0 +1,137 @@
+"""Tiny random-weight checkpoints of every supported family, written as real HF checkpoint dirs.
+
+The weights come from the HF reference classes (so the dir is valid for transformers by
+construction), re-drawn with fan-in scaling so logits have real margins, with random norm weights
+and biases so that a missing scale or bias shows up in parity tests. The tokenizer is a byte-level
+BPE trained on a fixed text, with a ChatML chat template.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from firstlight.errors import UnknownModelError
+from firstlight.models.config import FAMILIES, FULL, SLIDING
+
+_BASE: dict[str, Any] = {
+    "vocab_size": 384,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+# What makes each tiny family exercise its distinguishing features.
+TINY: dict[str, dict[str, Any]] = {
+    "llama": {
+        "tie_word_embeddings": False,
+        "attention_bias": True,
+        "mlp_bias": True,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 32},
+    },
+    "mistral": {"tie_word_embeddings": False, "sliding_window": 8},
+    "qwen2": {"tie_word_embeddings": True},
+    "qwen3": {"tie_word_embeddings": True},
+    "gemma3_text": {
+        "tie_word_embeddings": True,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": 8,
+        "layer_types": [SLIDING, SLIDING, FULL, SLIDING],
+        "query_pre_attn_scalar": 24,
+        "rope_parameters": {
+            FULL: {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
+            SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    },
+}
+ALIASES = {"gemma3": "gemma3_text"}
+SPECIAL = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. The capital of France is Paris. "
+    "Shall I compare thee to a summer's day? Thou art more lovely and more temperate. "
+    "def main():\n    return sum(range(10))\n"
+    "To be, or not to be, that is the question. Numbers 0 1 2 3 4 5 6 7 8 9 and more. "
+)
+
+
+def tiny_config(family: str, **overrides: Any) -> dict[str, Any]:
+    """The HF config dict of a tiny model of `family` (a model_type), with overrides applied."""
+    family = ALIASES.get(family, family)
+    if family not in TINY:
+        raise UnknownModelError(f"unknown family '{family}' for a tiny model; supported: {', '.join(sorted(TINY))}")
+    return {"model_type": family, **_BASE, **TINY[family], **overrides}
+
+
+def _tokenizer(vocab_size: int) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer)
+    return tok
+
+
+@torch.no_grad()
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        if p.ndim == 2 and "embed" in name:
+            p.copy_(torch.randn(p.shape, generator=gen))
+        elif p.ndim == 2:
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+        elif name.endswith("bias"):
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        else:  # norm weights: around 1 for Llama-style, around 0 for Gemma's (1 + w)
+            p.copy_(0.2 * torch.randn(p.shape, generator=gen) + p)
+
+
+def write_tiny_checkpoint(out_dir: str | Path, family: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+    """Write a random-weight HF checkpoint dir (config, safetensors, tokenizer) and return its path."""
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+    cfg = tiny_config(family, **overrides)
+    assert cfg["model_type"] in FAMILIES
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_cfg = AutoConfig.for_model(**cfg)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+    _randomize(model, seed)
+    model.save_pretrained(out, safe_serialization=True)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=_tokenizer(cfg["vocab_size"]),
+        bos_token="<s>", eos_token="<|im_end|>", pad_token="<pad>",
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(out)
+    # The chat end token ends generation, as in SmolLM2's generation_config.
+    eos = [cfg["eos_token_id"], tok.convert_tokens_to_ids("<|im_end|>")]
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": eos}))
+    return out

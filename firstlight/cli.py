@@ -14,9 +14,11 @@ from rich.console import Console
 from firstlight.bench.cli import app as bench_app
 from firstlight.engine.cli import serve
 from firstlight.errors import FirstlightError
+from firstlight.eval.cli import app as eval_app
 from firstlight.models.cli import app as models_app
 from firstlight.models.cli import generate
 from firstlight.sim.cli import app as sim_app
+from firstlight.verify.cli import verify
 
 app = typer.Typer(
     name="firstlight",
@@ -27,9 +29,11 @@ app = typer.Typer(
 )
 app.add_typer(models_app, name="models")
 app.command()(generate)
+app.command()(verify)
 app.command()(serve)
 app.add_typer(bench_app, name="bench")
 app.add_typer(sim_app, name="sim")
+app.add_typer(eval_app, name="eval")
 
 
 def main() -> None:

@@ -1,0 +1,1 @@
+"""Quality measures: perplexity and divergence from a reference model."""

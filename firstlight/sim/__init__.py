@@ -1,0 +1,1 @@
+"""Performance model and serving simulator."""

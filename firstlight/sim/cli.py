@@ -1,0 +1,199 @@
+"""`firstlight sim ...`: specs, model, fit, step, collective, serve, validate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(help="Predict performance: op costs, collectives, parallelism, serving simulation.", no_args_is_help=True)
+
+HW = typer.Option("h100", "--hw", help="builtin spec name (see `firstlight sim specs`) or a spec YAML path")
+MODEL = typer.Option("llama-3.1-8b", "--model", help="config.json path, checkpoint dir, or preset name")
+
+
+def _print_json(obj: object) -> None:
+    typer.echo(json.dumps(obj, indent=2, default=str))
+
+
+def parse_batch(text: str):  # -> Batch
+    """`decode:64@1000,prefill:512@1024,prefill:2048`: N decode seqs at a context / chunk@cached prefills."""
+    from firstlight.core.batch import Batch, ScheduledSeq
+    from firstlight.errors import FirstlightError
+
+    seqs: list[ScheduledSeq] = []
+    for i, part in enumerate(p.strip() for p in text.split(",") if p.strip()):
+        try:
+            kind, rest = part.split(":", 1)
+            num, _, at = rest.partition("@")
+            n, c = int(num), int(at or 0)
+        except ValueError:
+            raise FirstlightError(f"--batch item {part!r}: expected decode:NUM_SEQS@CONTEXT or prefill:TOKENS[@CACHED]") from None
+        if kind == "decode":
+            seqs += [ScheduledSeq(f"d{i}.{j}", 1, c, min(c, 1)) for j in range(n)]
+        elif kind == "prefill":
+            seqs.append(ScheduledSeq(f"p{i}", n, c, c + n))
+        else:
+            raise FirstlightError(f"--batch item {part!r}: kind must be decode or prefill")
+    if not seqs:
+        raise FirstlightError("--batch is empty: e.g. --batch decode:64@1000,prefill:2048")
+    return Batch(tuple(seqs))
+
+
+@app.command()
+def specs(show: str = typer.Option("", "--show", help="print one spec in full")) -> None:
+    """List the shipped hardware specs (or print one with --show)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from firstlight.core.hardware import builtin_spec_names, load_spec
+
+    if show:
+        _print_json(load_spec(show).model_dump())
+        return
+    t = Table("name", "bf16 TFLOP/s", "fp8 TFLOP/s", "mem GiB", "mem GB/s", "scale-up GB/s/dir", "W", "$/h")
+    for name in builtin_spec_names():
+        s = load_spec(name)
+        up = s.links.scale_up
+        t.add_row(name, str(s.compute_tflops.get("bf16", "-")), str(s.compute_tflops.get("fp8", "-")),
+                  f"{s.memory.capacity_gib:g}", f"{s.memory.bandwidth_gbps:g}", f"{up.bandwidth_gbps:g}" if up else "-",
+                  str(s.power_w or "-"), str(s.price_per_hour_usd or "-"))
+    Console().print(t)
+
+
+@app.command()
+def model(config: str = typer.Argument(..., help="config.json, checkpoint dir or preset name")) -> None:
+    """Parameter count, KV bytes per token and FLOPs per token of a model."""
+    from firstlight.sim.model import load_model
+
+    _print_json(load_model(config).summary())
+
+
+@app.command()
+def fit(hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1, ep: int = 1,
+        max_num_batched_tokens: int = 8192, max_num_seqs: int = 256, memory_utilization: float = 0.9) -> None:
+    """Does the model fit on the devices? Weights, activations, KV capacity per device."""
+    from firstlight.core.hardware import load_spec
+    from firstlight.sim.model import load_model
+    from firstlight.sim.parallel import ParallelConfig, plan_memory
+
+    plan = plan_memory(load_model(model_name), load_spec(hw), ParallelConfig(tp=tp, pp=pp, ep=ep),
+                       max_num_batched_tokens, max_num_seqs, memory_utilization)
+    _print_json(plan.to_dict())
+
+
+@app.command()
+def step(hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1, ep: int = 1,
+         batch: str = typer.Option("decode:32@1024", help="decode:N@CTX, prefill:TOKENS[@CACHED], comma-separated"),
+         batch_json: Path | None = typer.Option(None, help="a Batch as JSON (core.Batch.to_dict)")) -> None:
+    """Predicted time of one engine step, op by op, with the roofline bound of each."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from firstlight.core.batch import Batch
+    from firstlight.core.hardware import load_spec
+    from firstlight.sim.cost import CostModel
+    from firstlight.sim.model import load_model
+    from firstlight.sim.parallel import ParallelConfig
+
+    b = Batch.from_dict(json.loads(batch_json.read_text())) if batch_json else parse_batch(batch)
+    cm = CostModel(load_model(model_name), load_spec(hw), ParallelConfig(tp=tp, pp=pp, ep=ep))
+    t = Table("op", "GFLOP", "MB", "time ms", "bound", title=f"{cm.model.name} on {cm.hw.name} ({b.num_tokens} tokens)")
+    for op in cm.breakdown(b):
+        t.add_row(op.name, f"{op.flops / 1e9:.2f}", f"{op.bytes / 1e6:.2f}", f"{op.time_s * 1e3:.3f}", op.bound)
+    total = cm.time(b)
+    Console().print(t)
+    typer.echo(f"step time {total * 1e3:.3f} ms; {b.num_tokens / total:.0f} tokens/s")
+
+
+@app.command()
+def collective(op: str = typer.Option("all_reduce", help="all_reduce | all_gather | reduce_scatter | all_to_all"),
+               size: str = typer.Option("1GB", help="bytes per rank, e.g. 64KB, 1GB"),
+               ranks: int = 8, algorithm: str = "ring", topology: str = typer.Option("switch", help="switch, full_mesh, ring, torus2d, torus3d, fat_tree"),
+               hw: str = HW, bandwidth_gbps: float | None = None, latency_us: float | None = None) -> None:
+    """Time and bus bandwidth of a collective: alpha-beta closed form and routed over the topology."""
+    from firstlight.core.hardware import load_spec
+    from firstlight.sim.collectives import bus_bandwidth_factor, get_algorithm, route_steps
+    from firstlight.sim.topology import build_topology
+
+    nbytes = _parse_size(size)
+    spec = load_spec(hw)
+    link = spec.links.scale_up or spec.links.scale_out
+    bw = (bandwidth_gbps * 1e9) if bandwidth_gbps else (link.bandwidth_bytes_per_s * spec.efficiency.network if link else 1e9)
+    lat = (latency_us * 1e-6) if latency_us is not None else (link.latency_s if link else 1e-6)
+    alpha = lat + spec.efficiency.collective_overhead_us * 1e-6
+    alg = get_algorithm(algorithm)
+    closed = alg.closed_form(op, ranks, nbytes, alpha, bw)
+    graph = build_topology(topology, ranks, bw, lat)
+    routed = route_steps(alg.steps(op, ranks, nbytes), graph, alpha=alpha - lat)
+    f = bus_bandwidth_factor(op, ranks)
+    _print_json({
+        "op": op, "bytes": nbytes, "ranks": ranks, "algorithm": algorithm, "topology": topology,
+        "link_bandwidth_gbps": bw / 1e9, "alpha_us": alpha * 1e6,
+        "closed_form_s": closed, "closed_form_busbw_gbps": nbytes / closed * f / 1e9,
+        "routed_s": routed.time_s, "routed_busbw_gbps": nbytes / routed.time_s * f / 1e9,
+        "num_steps": routed.num_steps, "max_hops": routed.max_hops, "max_flows_per_link": routed.max_link_flows,
+    })
+
+
+def _parse_size(s: str) -> float:
+    from firstlight.errors import FirstlightError
+
+    units = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    t = s.strip().upper()
+    for u in sorted(units, key=len, reverse=True):
+        if t.endswith(u):
+            try:
+                return float(t[: -len(u)]) * units[u]
+            except ValueError:
+                break
+    try:
+        return float(t)
+    except ValueError:
+        raise FirstlightError(f"--size {s!r}: expected a byte count like 65536, 64KB or 1GB") from None
+
+
+@app.command()
+def serve(hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1, ep: int = 1,
+          replicas: int = typer.Option(1, help="data-parallel replicas behind the router"),
+          prefill_replicas: int = typer.Option(0, help="> 0: prefill/decode disaggregation"),
+          decode_replicas: int = 0,
+          rate: float = typer.Option(4.0, help="requests per second"), num_requests: int = 1000,
+          arrival: str = typer.Option("poisson", help="poisson | gamma | uniform"), cv: float = 1.0,
+          trace: Path | None = typer.Option(None, help="JSONL/CSV with arrival_s,num_prompt_tokens,num_output_tokens"),
+          prompt_len: int = 512, output_len: int = 128, len_dist: str = "fixed",
+          max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, block_size: int = 16,
+          router: str = "round_robin", slo_ttft: float = 2.0, slo_tpot: float = 0.1, seed: int = 0,
+          out: Path | None = typer.Option(None, help="write a report directory (result.json, PNG plots)")) -> None:
+    """Simulate serving a workload: latency distributions, throughput, goodput, utilization, $/1M tokens."""
+    from firstlight.core.hardware import load_spec
+    from firstlight.sim.model import load_model
+    from firstlight.sim.serve import ServeConfig, run_serve, write_serve_report
+    from firstlight.sim.workload import load_trace, make_workload
+
+    wl = load_trace(trace) if trace else make_workload(num_requests, rate, prompt_len, output_len, arrival, cv,
+                                                       len_dist, seed)
+    cfg = ServeConfig(tp=tp, pp=pp, ep=ep, num_replicas=replicas, num_prefill_replicas=prefill_replicas,
+                      num_decode_replicas=decode_replicas, max_num_seqs=max_num_seqs,
+                      max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, router=router,
+                      slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot)
+    result, res = run_serve(load_model(model_name), load_spec(hw), wl, cfg)
+    if out:
+        write_serve_report(out, result, res, wl)
+        typer.echo(f"report: {out}/index.html")
+    keys = ("num_devices", "num_finished", "makespan_s", "ttft_s", "tpot_s", "itl_s", "e2e_s", "throughput",
+            "goodput", "utilization", "num_preemptions", "cost", "sim")
+    _print_json({k: result[k] for k in keys})
+
+
+@app.command()
+def validate(markdown: bool = typer.Option(False, help="print the docs/VALIDATION.md table")) -> None:
+    """Predictions next to published measurements, with the error of each row."""
+    from firstlight.sim.validation import run_validation, to_markdown
+
+    rows = run_validation()
+    if markdown:
+        typer.echo(to_markdown(rows))
+    else:
+        _print_json(rows)

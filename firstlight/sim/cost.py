@@ -1,0 +1,269 @@
+"""Op cost model: the time of one engine step (a `firstlight.core.Batch`) on one replica.
+
+Every op is priced by a roofline (Williams, Waterman & Patterson, CACM 2009):
+
+    t_op = max(flops / (peak_flops * eff_compute), bytes / (mem_bw * eff_memory)) + kernels * overhead
+
+per device, with the replica's tensor-parallel shard of weights and heads. Attention is priced by
+what a fused FlashAttention kernel moves (Dao 2022/2023): Q and O once, the KV of the span once per
+query tile of `flash_tile` rows, the new K/V written once; FLOPs 2*H*(d_qk + d_v) per (query, key)
+pair. MoE layers read the experts that receive at least one token and compute the most-loaded
+EP rank's share (balls-into-bins imbalance). TP adds two all-reduces per layer on the scale-up link;
+PP adds a point-to-point send per stage boundary. Each step adds the spec's step overhead (host
+scheduling, sampling).
+
+`CostModel.time(batch)` prices the Batch the engine scheduler emits; `step_time(...)` prices the same
+work from aggregates (what the serving simulator tracks) and is what `time()` calls, so both agree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+from firstlight.core.batch import Batch
+from firstlight.core.hardware import DTYPE_BYTES, EfficiencySpec, HardwareSpec
+from firstlight.sim.collectives import collective_time
+from firstlight.sim.model import LayerGroup, Linear, ModelDesc
+from firstlight.sim.parallel import ParallelConfig, check_parallel, kv_shard
+
+
+@dataclass(frozen=True)
+class OpCost:
+    name: str
+    flops: float  # per device, all layers of this op together
+    bytes: float
+    time_s: float
+    bound: str  # compute | memory | network | overhead
+
+    def to_dict(self) -> dict[str, float | str]:
+        return asdict(self)
+
+
+class CostModel:
+    def __init__(self, model: ModelDesc, hw: HardwareSpec, parallel: ParallelConfig | None = None,
+                 compute_dtype: str | None = None, efficiency: EfficiencySpec | None = None,
+                 flash_tile: int = 128, moe_imbalance: float | None = None,
+                 collective_algorithm: str = "auto") -> None:
+        self.model = model
+        self.hw = hw
+        self.par = parallel or ParallelConfig()
+        check_parallel(model, self.par)
+        self.eff = efficiency or hw.efficiency
+        self.compute_dtype = compute_dtype or model.weight_dtype
+        self.flops_s = hw.flops_per_s(self.compute_dtype) * self.eff.compute
+        self.mem_bw = hw.memory.bandwidth_bytes_per_s * self.eff.memory
+        self.kernel_s = self.eff.kernel_overhead_us * 1e-6
+        self.step_s = self.eff.step_overhead_us * 1e-6
+        self.wb = DTYPE_BYTES[model.weight_dtype]
+        self.ab = DTYPE_BYTES[model.act_dtype]
+        self.kvb = DTYPE_BYTES[model.kv_dtype]
+        self.flash_tile = flash_tile
+        self.moe_imbalance = moe_imbalance
+        self.collective_algorithm = collective_algorithm
+        self.kv_shard = kv_shard(model, self.par)
+        self._token_cache = lru_cache(maxsize=65536)(self._token_ops_time)
+        self._logits_cache = lru_cache(maxsize=4096)(self._logits_time)
+
+    # ---- primitives ---------------------------------------------------------------------------
+    def roofline(self, name: str, flops: float, nbytes: float, kernels: float = 1.0) -> OpCost:
+        tc = flops / self.flops_s
+        tm = nbytes / self.mem_bw
+        over = kernels * self.kernel_s
+        bound = "compute" if tc >= tm else "memory"
+        if over > max(tc, tm):
+            bound = "overhead"
+        return OpCost(name, flops, nbytes, max(tc, tm) + over, bound)
+
+    def _linear(self, lin: Linear, m: float, shard: int, layers: int) -> OpCost:
+        flops = 2.0 * m * lin.num_params / shard
+        nbytes = lin.num_params * self.wb / shard + m * (lin.in_features + lin.out_features / shard) * self.ab
+        c = self.roofline(lin.name, flops, nbytes)
+        return OpCost(lin.name, flops * layers, nbytes * layers, c.time_s * layers, c.bound)
+
+    def _comm_link(self) -> tuple[float, float]:
+        """(alpha, bandwidth) of the link TP collectives use: scale-up if the group fits in one domain."""
+        links = self.hw.links
+        link = links.scale_up if links.scale_up and self.par.tp <= links.scale_up.domain_size else links.scale_out
+        if link is None:
+            return 0.0, float("inf")
+        alpha = link.latency_s + self.eff.collective_overhead_us * 1e-6
+        return alpha, link.bandwidth_bytes_per_s * self.eff.network
+
+    def _allreduce(self, name: str, nbytes: float, count: int) -> OpCost:
+        if self.par.tp == 1 or nbytes <= 0:
+            return OpCost(name, 0.0, 0.0, 0.0, "network")
+        alpha, bw = self._comm_link()
+        t = collective_time("all_reduce", nbytes, self.par.tp, alpha, bw, self.collective_algorithm)
+        return OpCost(name, 0.0, nbytes * count, t * count, "network")
+
+    # ---- token-count-dependent ops (cached by m) ----------------------------------------------
+    def _group_token_ops(self, g: LayerGroup, m: int) -> list[OpCost]:
+        tp, L, h = self.par.tp, g.num_layers, self.model.hidden_size
+        ops = [self._linear(lin, m, tp, L) for lin in g.attn_linears]
+        if g.moe is None:
+            ops += [self._linear(lin, m, tp, L) for lin in g.mlp_linears]
+            inter = g.mlp_linears[-1].in_features
+        else:
+            ops += [self._linear(lin, m, 1, L) for lin in g.mlp_linears]  # router, replicated
+            ops += [self._linear(lin, m, tp, L) for lin in g.moe.shared_linears]
+            ops.append(self._moe_experts(g, m))
+            inter = g.moe.expert_linears[-1].in_features * g.moe.top_k
+        # norms, residual adds, rotary, activation: memory-bound elementwise kernels (~4 per layer)
+        elem_bytes = m * (6 * h + 3 * inter / tp) * self.ab
+        e = self.roofline("elementwise", 0.0, elem_bytes, kernels=4)
+        ops.append(OpCost("elementwise", 0.0, elem_bytes * L, e.time_s * L, e.bound))
+        ops.append(self._allreduce("tp_all_reduce", m * h * self.ab, 2 * L))
+        return ops
+
+    def moe_imbalance_factor(self, assignments: float, ranks: int) -> float:
+        """Expected max/mean load of `assignments` balls in `ranks` bins: 1 + sqrt(2 b ln b / n)."""
+        if self.moe_imbalance is not None:
+            return self.moe_imbalance
+        if ranks <= 1 or assignments <= 0:
+            return 1.0
+        return min(float(ranks), 1.0 + math.sqrt(2.0 * ranks * math.log(ranks) / assignments))
+
+    def _moe_experts(self, g: LayerGroup, m: int) -> OpCost:
+        moe = g.moe
+        assert moe is not None
+        ep, tp, L = self.par.ep, self.par.tp, g.num_layers
+        shard = 1 if ep > 1 else tp
+        local_experts = moe.num_experts / ep
+        assignments = m * moe.top_k
+        per_rank = assignments / ep * self.moe_imbalance_factor(assignments, ep)
+        active = local_experts * (1.0 - (1.0 - moe.top_k / moe.num_experts) ** m)
+        flops = 2.0 * per_rank * moe.expert_params / shard
+        w_bytes = active * moe.expert_params * self.wb / shard
+        a_bytes = per_rank * sum(lin.in_features + lin.out_features / shard for lin in moe.expert_linears) * self.ab
+        c = self.roofline("moe_experts", flops, w_bytes + a_bytes, kernels=2)
+        t = c.time_s
+        if ep > tp:  # experts live outside this TP group: dispatch + combine all-to-all
+            alpha, bw = self._comm_link()
+            nbytes = m * moe.top_k * self.model.hidden_size * self.ab / ep
+            t += 2 * collective_time("all_to_all", nbytes, ep, alpha, bw, "pairwise")
+        return OpCost("moe_experts", flops * L, (w_bytes + a_bytes) * L, t * L, c.bound)
+
+    def token_ops(self, m: int) -> list[OpCost]:
+        """Ops whose cost depends only on the step's token count `m` (all layers, per device)."""
+        ops: list[OpCost] = []
+        for g in self.model.groups:
+            ops += self._group_token_ops(g, m)
+        emb = m * self.model.hidden_size * self.ab
+        ops.append(self.roofline("embedding", 0.0, 2 * emb))
+        if self.par.pp > 1:
+            alpha, bw = self._comm_link()
+            t = (self.par.pp - 1) * (alpha + emb / bw)
+            ops.append(OpCost("pp_send", 0.0, emb * (self.par.pp - 1), t, "network"))
+        return ops
+
+    def _token_ops_time(self, m: int) -> float:
+        return sum(op.time_s for op in self.token_ops(m))
+
+    def logits_ops(self, num_seqs: int) -> list[OpCost]:
+        """Final norm and LM head for the one position per sequence that is sampled."""
+        lm = Linear("lm_head", self.model.hidden_size, self.model.vocab_size)
+        return [self._linear(lm, num_seqs, self.par.tp, 1)]
+
+    def _logits_time(self, num_seqs: int) -> float:
+        return sum(op.time_s for op in self.logits_ops(num_seqs))
+
+    # ---- attention ----------------------------------------------------------------------------
+    def attention_ops(self, num_decode: int, decode_ctx_sum: float, prefill_chunks: list[tuple[int, int]],
+                      decode_window_ctx_sum: float | None = None) -> list[OpCost]:
+        """Attention for decode seqs (total context `decode_ctx_sum`) and prefill chunks (new, cached)."""
+        ops: list[OpCost] = []
+        heads_shard = self.par.tp
+        T = self.flash_tile
+        for g in self.model.groups:
+            a = g.attention
+            L = g.num_layers
+            kv_tok = a.kv_elems_per_token / self.kv_shard * self.kvb
+            fpp = a.flops_per_pair / heads_shard
+            qo_tok = a.num_heads / heads_shard * (a.head_dim + a.v_head_dim) * self.ab
+            flops = 0.0
+            nbytes = 0.0
+            kernels = 0
+            if num_decode:
+                span = decode_ctx_sum
+                if a.sliding_window:
+                    span = (decode_window_ctx_sum if decode_window_ctx_sum is not None
+                            else min(decode_ctx_sum, num_decode * a.sliding_window))
+                flops += fpp * span
+                nbytes += kv_tok * span + num_decode * (qo_tok + kv_tok)
+                kernels += 1
+            for n, c in prefill_chunks:
+                w = a.sliding_window
+                pairs = _causal_pairs(n, c, w)
+                tiles = math.ceil(n / T)
+                keys_read = _causal_pairs(tiles, c / T, w / T if w else None) * T if n > T else (
+                    min(c + n, w) if w else c + n)
+                flops += fpp * pairs
+                nbytes += kv_tok * keys_read + n * (qo_tok + kv_tok)
+                kernels += 1
+            if kernels:
+                op = self.roofline("attention", flops, nbytes, kernels=min(kernels, 2))
+                ops.append(OpCost("attention", flops * L, nbytes * L, op.time_s * L, op.bound))
+        return ops
+
+    # ---- whole step ---------------------------------------------------------------------------
+    def step_time(self, num_tokens: int, num_seqs: int, num_decode: int = 0, decode_ctx_sum: float = 0.0,
+                  prefill_chunks: list[tuple[int, int]] | tuple = (),
+                  decode_window_ctx_sum: float | None = None) -> float:
+        """Seconds for one step from aggregates; decode contexts count the token computed this step."""
+        if num_tokens <= 0:
+            return 0.0
+        t = self.step_s + self._token_cache(num_tokens) + self._logits_cache(num_seqs)
+        for op in self.attention_ops(num_decode, decode_ctx_sum, list(prefill_chunks), decode_window_ctx_sum):
+            t += op.time_s
+        return t
+
+    @staticmethod
+    def _aggregate(batch: Batch, window: int | None) -> tuple[int, float, float | None, list[tuple[int, int]]]:
+        num_decode = 0
+        ctx = 0.0
+        wctx = 0.0
+        chunks: list[tuple[int, int]] = []
+        for s in batch.seqs:
+            if s.num_tokens == 1 and not s.is_prefill:
+                num_decode += 1
+                ctx += s.context_len
+                wctx += min(s.context_len, window) if window else s.context_len
+            else:
+                chunks.append((s.num_tokens, s.num_computed_tokens))
+        return num_decode, ctx, (wctx if window else None), chunks
+
+    def time(self, batch: Batch) -> float:
+        """Predicted seconds for the step the engine would run for `batch`."""
+        windows = [g.attention.sliding_window for g in self.model.groups if g.attention.sliding_window]
+        num_decode, ctx, wctx, chunks = self._aggregate(batch, windows[0] if windows else None)
+        return self.step_time(batch.num_tokens, batch.num_seqs, num_decode, ctx, chunks, wctx)
+
+    def breakdown(self, batch: Batch) -> list[OpCost]:
+        """Per-op costs of `batch`, merged by op name, plus the step overhead."""
+        windows = [g.attention.sliding_window for g in self.model.groups if g.attention.sliding_window]
+        num_decode, ctx, wctx, chunks = self._aggregate(batch, windows[0] if windows else None)
+        raw = (self.token_ops(batch.num_tokens) + self.logits_ops(batch.num_seqs)
+               + self.attention_ops(num_decode, ctx, chunks, wctx))
+        merged: dict[str, OpCost] = {}
+        for op in raw:
+            if op.name in merged:
+                o = merged[op.name]
+                merged[op.name] = OpCost(op.name, o.flops + op.flops, o.bytes + op.bytes, o.time_s + op.time_s, o.bound)
+            else:
+                merged[op.name] = op
+        out = list(merged.values())
+        out.append(OpCost("step_overhead", 0.0, 0.0, self.step_s, "overhead"))
+        return out
+
+
+def _causal_pairs(n: float, c: float, window: float | None) -> float:
+    """(query, key) pairs when n new queries at positions c..c+n-1 attend causally (within `window`)."""
+    full = n * c + n * (n + 1) / 2
+    if not window:
+        return full
+    # query i (0-based) sees min(c + i + 1, window) keys
+    k = max(0.0, min(n, window - c))  # queries still below the window
+    below = k * c + k * (k + 1) / 2 if k > 0 else 0.0
+    return below + (n - k) * window

@@ -1,0 +1,363 @@
+"""Model descriptions for the cost model, derived from a Hugging Face `config.json` dict.
+
+A `ModelDesc` is the shape of the network and nothing else: layer groups (layers that share one
+attention and MLP shape), the linear layers in each, attention geometry (GQA, sliding window, MLA)
+and MoE routing. From it follow parameter counts, KV bytes per token and, in `cost.py`, FLOPs and
+bytes per op for any Batch.
+
+Conventions (cite: Kaplan et al. 2020 appendix / the usual 2*N FLOPs per token per weight):
+a linear of `in x out` costs 2*in*out FLOPs per token and reads in*out weights once per step.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from firstlight.core.hardware import DTYPE_BYTES
+from firstlight.errors import FirstlightError
+
+
+class ModelConfigError(FirstlightError):
+    """A config.json the simulator cannot describe."""
+
+
+@dataclass(frozen=True)
+class Linear:
+    name: str
+    in_features: int
+    out_features: int
+
+    @property
+    def num_params(self) -> int:
+        return self.in_features * self.out_features
+
+
+@dataclass(frozen=True)
+class AttentionDesc:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # q/k head dim used in QK^T (for MLA: the absorbed dim kv_lora_rank + rope dim)
+    v_head_dim: int  # dim of the values each head mixes (for MLA absorbed: kv_lora_rank)
+    kv_elems_per_token: int  # elements stored in the KV cache per token per layer
+    sliding_window: int | None = None
+    is_mla: bool = False
+
+    @property
+    def flops_per_pair(self) -> int:
+        """FLOPs for one (query, key) pair over all heads: QK^T plus PV (FlashAttention-2 paper, sec. 3)."""
+        return 2 * self.num_heads * (self.head_dim + self.v_head_dim)
+
+
+@dataclass(frozen=True)
+class MoEDesc:
+    num_experts: int
+    top_k: int
+    expert_linears: tuple[Linear, ...]  # one expert's linears
+    shared_linears: tuple[Linear, ...] = ()  # always-active shared experts, fused
+
+    @property
+    def expert_params(self) -> int:
+        return sum(lin.num_params for lin in self.expert_linears)
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """`num_layers` identical decoder layers."""
+
+    num_layers: int
+    attention: AttentionDesc
+    attn_linears: tuple[Linear, ...]
+    mlp_linears: tuple[Linear, ...]  # dense MLP, or the router for MoE layers
+    moe: MoEDesc | None = None
+    num_norm_params: int = 0
+
+
+@dataclass(frozen=True)
+class ModelDesc:
+    name: str
+    hidden_size: int
+    vocab_size: int
+    groups: tuple[LayerGroup, ...]
+    tie_word_embeddings: bool = False
+    weight_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    act_dtype: str = "bf16"
+    max_position_embeddings: int | None = None
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    # ---- counts -------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return sum(g.num_layers for g in self.groups)
+
+    @property
+    def num_heads(self) -> int:
+        return self.groups[0].attention.num_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.groups[0].attention.num_kv_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return any(g.moe is not None for g in self.groups)
+
+    @property
+    def num_experts(self) -> int:
+        return max((g.moe.num_experts for g in self.groups if g.moe), default=0)
+
+    def embedding_params(self) -> int:
+        n = self.vocab_size * self.hidden_size
+        return n if self.tie_word_embeddings else 2 * n
+
+    def layer_params(self, group: LayerGroup, active_only: bool = False) -> int:
+        n = sum(lin.num_params for lin in group.attn_linears + group.mlp_linears) + group.num_norm_params
+        if group.moe is not None:
+            n_experts = group.moe.top_k if active_only else group.moe.num_experts
+            n += n_experts * group.moe.expert_params + sum(lin.num_params for lin in group.moe.shared_linears)
+        return n
+
+    def expert_params(self) -> int:
+        """Parameters in routed experts (what expert parallelism splits)."""
+        return sum(g.num_layers * g.moe.num_experts * g.moe.expert_params for g in self.groups if g.moe)
+
+    def num_params(self) -> int:
+        layers = sum(g.num_layers * self.layer_params(g) for g in self.groups)
+        return layers + self.embedding_params() + self.hidden_size  # + final norm
+
+    def num_active_params(self) -> int:
+        """Parameters touched per token (routed experts counted top_k times)."""
+        layers = sum(g.num_layers * self.layer_params(g, active_only=True) for g in self.groups)
+        return layers + self.embedding_params() + self.hidden_size
+
+    def weight_bytes(self) -> float:
+        return self.num_params() * DTYPE_BYTES[self.weight_dtype]
+
+    def kv_bytes_per_token(self) -> float:
+        """KV cache bytes one token adds across all layers (sliding-window layers included, uncapped)."""
+        elems = sum(g.num_layers * g.attention.kv_elems_per_token for g in self.groups)
+        return elems * DTYPE_BYTES[self.kv_dtype]
+
+    def kv_bytes_for_context(self, context_len: int) -> float:
+        """KV bytes one sequence of `context_len` tokens holds (sliding-window layers keep only the window)."""
+        total = 0.0
+        for g in self.groups:
+            w = g.attention.sliding_window
+            n = min(context_len, w) if w else context_len
+            total += g.num_layers * g.attention.kv_elems_per_token * n
+        return total * DTYPE_BYTES[self.kv_dtype]
+
+    def flops_per_token(self, context_len: int = 0) -> float:
+        """Forward FLOPs of one token at a given context: 2 * active params (minus embedding gather) + attention."""
+        params = self.num_active_params() - self.vocab_size * self.hidden_size  # the input gather is free
+        attn = 0
+        for g in self.groups:
+            w = g.attention.sliding_window
+            span = min(context_len, w) if w else context_len
+            attn += g.num_layers * g.attention.flops_per_pair * span
+        return 2.0 * params + attn
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "vocab_size": self.vocab_size,
+            "num_params": self.num_params(),
+            "num_active_params": self.num_active_params(),
+            "num_experts": self.num_experts,
+            "weight_dtype": self.weight_dtype,
+            "weight_bytes": self.weight_bytes(),
+            "kv_bytes_per_token": self.kv_bytes_per_token(),
+            "flops_per_token_ctx0": self.flops_per_token(0),
+            "groups": [
+                {
+                    "num_layers": g.num_layers,
+                    "sliding_window": g.attention.sliding_window,
+                    "mla": g.attention.is_mla,
+                    "moe": None if g.moe is None else {"num_experts": g.moe.num_experts, "top_k": g.moe.top_k},
+                }
+                for g in self.groups
+            ],
+        }
+
+
+# ---- parsing an HF config ---------------------------------------------------------------------
+
+
+def _req(cfg: dict[str, Any], key: str, where: str) -> Any:
+    if key not in cfg or cfg[key] is None:
+        raise ModelConfigError(
+            f"model config {where} has no {key!r}: expected a decoder-only HF config.json "
+            "(Llama/Mistral/Qwen/Mixtral/DeepSeek/Gemma style)"
+        )
+    return cfg[key]
+
+
+def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    return default
+
+
+def _dtype_name(v: Any) -> str:
+    s = str(v or "bfloat16").replace("torch.", "")
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "half": "fp16", "float": "fp32"}.get(s, "bf16")
+
+
+def _attention(cfg: dict[str, Any], where: str, window: int | None) -> tuple[AttentionDesc, tuple[Linear, ...], int]:
+    hidden = int(_req(cfg, "hidden_size", where))
+    num_heads = int(_req(cfg, "num_attention_heads", where))
+    if cfg.get("kv_lora_rank"):  # MLA (DeepSeek-V2/V3): cache the compressed latent + the rope key
+        kv_rank = int(cfg["kv_lora_rank"])
+        q_rank = cfg.get("q_lora_rank")
+        nope = int(_req(cfg, "qk_nope_head_dim", where))
+        rope = int(_req(cfg, "qk_rope_head_dim", where))
+        v_dim = int(_req(cfg, "v_head_dim", where))
+        qk = nope + rope
+        lins: list[Linear] = []
+        if q_rank:
+            lins += [Linear("q_a_proj", hidden, int(q_rank)), Linear("q_b_proj", int(q_rank), num_heads * qk)]
+        else:
+            lins.append(Linear("q_proj", hidden, num_heads * qk))
+        lins += [
+            Linear("kv_a_proj", hidden, kv_rank + rope),
+            Linear("kv_b_proj", kv_rank, num_heads * (nope + v_dim)),
+            Linear("o_proj", num_heads * v_dim, hidden),
+        ]
+        norms = kv_rank + (int(q_rank) if q_rank else 0)
+        # Decode with weight absorption (DeepSeek-V2 paper sec. 2.1.2): every head attends over the
+        # latent, so QK^T runs over kv_rank + rope dims and PV over kv_rank dims; one shared "KV head".
+        att = AttentionDesc(num_heads, 1, kv_rank + rope, kv_rank, kv_rank + rope, window, is_mla=True)
+        return att, tuple(lins), norms
+    num_kv = int(_first(cfg, "num_key_value_heads", default=num_heads))
+    head_dim = int(_first(cfg, "head_dim", default=hidden // num_heads))
+    if num_heads % num_kv:
+        raise ModelConfigError(
+            f"model config {where}: num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv}"
+        )
+    lins = (
+        Linear("qkv_proj", hidden, (num_heads + 2 * num_kv) * head_dim),
+        Linear("o_proj", num_heads * head_dim, hidden),
+    )
+    att = AttentionDesc(num_heads, num_kv, head_dim, head_dim, 2 * num_kv * head_dim, window)
+    return att, lins, 0
+
+
+def _moe_layer_ids(cfg: dict[str, Any], num_layers: int) -> set[int]:
+    num_experts = _first(cfg, "num_local_experts", "num_experts", "n_routed_experts", default=0) or 0
+    if not num_experts:
+        return set()
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    dense_only = set(cfg.get("mlp_only_layers") or [])
+    ids = {i for i in range(first_dense, num_layers) if i not in dense_only}
+    if int(cfg.get("moe_layer_freq") or 1) > 1:  # DeepSeek: layer_idx % freq == 0
+        ids = {i for i in ids if i % int(cfg["moe_layer_freq"]) == 0}
+    if int(cfg.get("decoder_sparse_step") or 1) > 1:  # Qwen-MoE: (layer_idx + 1) % step == 0
+        ids = {i for i in ids if (i + 1) % int(cfg["decoder_sparse_step"]) == 0}
+    return ids
+
+
+def _windows(cfg: dict[str, Any], num_layers: int) -> list[int | None]:
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if types:
+        return [int(window) if (t == "sliding_attention" and window) else None for t in types]
+    if not window or cfg.get("use_sliding_window") is False:
+        return [None] * num_layers
+    max_window_layers = cfg.get("max_window_layers")
+    if cfg.get("use_sliding_window") and max_window_layers is not None:
+        # Qwen2: layers >= max_window_layers use the window
+        return [int(window) if i >= int(max_window_layers) else None for i in range(num_layers)]
+    return [int(window)] * num_layers
+
+
+def model_from_config(cfg: dict[str, Any], name: str = "", where: str = "<config>", weight_dtype: str | None = None,
+                      kv_dtype: str | None = None) -> ModelDesc:
+    """Describe a decoder-only model from its HF config dict (multimodal configs: the `text_config`)."""
+    if not isinstance(cfg, dict):
+        raise ModelConfigError(f"model config {where} must be a JSON object")
+    if isinstance(cfg.get("text_config"), dict):
+        cfg = {**cfg["text_config"], "torch_dtype": cfg.get("torch_dtype", cfg["text_config"].get("torch_dtype"))}
+    hidden = int(_req(cfg, "hidden_size", where))
+    num_layers = int(_req(cfg, "num_hidden_layers", where))
+    vocab = int(_req(cfg, "vocab_size", where))
+    for key in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"):
+        if int(cfg.get(key) or 0) <= 0:
+            raise ModelConfigError(f"model config {where}: {key} must be a positive integer, got {cfg.get(key)!r}")
+    moe_ids = _moe_layer_ids(cfg, num_layers)
+    windows = _windows(cfg, num_layers)
+    if len(windows) != num_layers:
+        raise ModelConfigError(f"model config {where}: layer_types has {len(windows)} entries, expected {num_layers}")
+
+    groups: dict[tuple[int | None, bool], int] = {}
+    for i in range(num_layers):
+        key = (windows[i], i in moe_ids)
+        groups[key] = groups.get(key, 0) + 1
+
+    built: list[LayerGroup] = []
+    for (window, is_moe), count in groups.items():
+        att, attn_lins, extra_norms = _attention(cfg, where, window)
+        norms = 2 * hidden + extra_norms
+        moe = None
+        if is_moe:
+            num_experts = int(_first(cfg, "num_local_experts", "num_experts", "n_routed_experts"))
+            top_k = int(_req(cfg, "num_experts_per_tok", where))
+            inter = int(_first(cfg, "moe_intermediate_size", "intermediate_size"))
+            expert = (Linear("expert_gate_up", hidden, 2 * inter), Linear("expert_down", inter, hidden))
+            shared: tuple[Linear, ...] = ()
+            if cfg.get("n_shared_experts"):
+                s = int(cfg["n_shared_experts"]) * inter
+                shared = (Linear("shared_gate_up", hidden, 2 * s), Linear("shared_down", s, hidden))
+            elif cfg.get("shared_expert_intermediate_size"):
+                s = int(cfg["shared_expert_intermediate_size"])
+                shared = (Linear("shared_gate_up", hidden, 2 * s), Linear("shared_down", s, hidden),
+                          Linear("shared_expert_gate", hidden, 1))
+            if top_k > num_experts:
+                raise ModelConfigError(f"model config {where}: num_experts_per_tok={top_k} > experts={num_experts}")
+            moe = MoEDesc(num_experts, top_k, expert, shared)
+            mlp: tuple[Linear, ...] = (Linear("router", hidden, num_experts),)
+        else:
+            inter = int(_req(cfg, "intermediate_size", where))
+            mlp = (Linear("gate_up_proj", hidden, 2 * inter), Linear("down_proj", inter, hidden))
+        built.append(LayerGroup(count, att, attn_lins, mlp, moe, norms))
+
+    wdt = weight_dtype or _dtype_name(_first(cfg, "torch_dtype", "dtype"))
+    return ModelDesc(
+        name=name or str(_first(cfg, "_name_or_path", "model_type", default="model")),
+        hidden_size=hidden,
+        vocab_size=vocab,
+        groups=tuple(built),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        weight_dtype=wdt,
+        kv_dtype=kv_dtype or (wdt if wdt in ("bf16", "fp16") else "bf16"),
+        max_position_embeddings=cfg.get("max_position_embeddings"),
+        meta={"architectures": cfg.get("architectures"), "model_type": cfg.get("model_type")},
+    )
+
+
+def load_model(path_or_name: str | Path, weight_dtype: str | None = None, kv_dtype: str | None = None) -> ModelDesc:
+    """A model from a config.json path, a checkpoint directory holding one, or a preset name."""
+    from firstlight.sim.presets import PRESETS
+
+    s = str(path_or_name)
+    if s in PRESETS:
+        return model_from_config(PRESETS[s], name=s, where=f"preset {s}", weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+    p = Path(s)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ModelConfigError(
+            f"model {s!r}: no such config.json or directory; expected a path or one of the presets {sorted(PRESETS)}"
+        )
+    try:
+        cfg = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelConfigError(f"model config {p} is not valid JSON: {e}") from None
+    return model_from_config(cfg, name=p.parent.name or p.stem, where=str(p), weight_dtype=weight_dtype, kv_dtype=kv_dtype)

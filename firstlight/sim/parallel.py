@@ -1,0 +1,152 @@
+"""Parallel mappings (tensor, pipeline, expert, data) of a model onto devices, and memory fit.
+
+One replica spans tp * pp devices; dp counts replicas. Expert parallelism splits routed experts
+over `ep` ranks drawn from the tp x dp devices (ep = 1: every expert is tensor-parallel instead).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from firstlight.core.hardware import DTYPE_BYTES, HardwareSpec
+from firstlight.errors import FirstlightError
+from firstlight.sim.model import ModelDesc
+
+GB = 1e9
+
+
+class ParallelError(FirstlightError):
+    """A parallel mapping the model's shape does not allow."""
+
+
+class DoesNotFitError(FirstlightError):
+    """Weights + KV + activations exceed device memory."""
+
+
+class ParallelConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tp: int = Field(default=1, ge=1)
+    pp: int = Field(default=1, ge=1)
+    ep: int = Field(default=1, ge=1)
+    dp: int = Field(default=1, ge=1)
+
+    @property
+    def devices_per_replica(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def num_devices(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def describe(self) -> str:
+        return f"tp={self.tp} pp={self.pp} ep={self.ep} dp={self.dp}"
+
+
+def check_parallel(model: ModelDesc, par: ParallelConfig) -> None:
+    """Raise ParallelError naming the degree and the dimension it does not divide."""
+    for g in model.groups:
+        att = g.attention
+        if att.num_heads % par.tp:
+            raise ParallelError(
+                f"tensor parallel degree tp={par.tp} does not divide num_attention_heads={att.num_heads} of "
+                f"{model.name}; choose tp from {[d for d in range(1, att.num_heads + 1) if att.num_heads % d == 0][:8]}"
+            )
+        if not att.is_mla and att.num_kv_heads % par.tp and par.tp % att.num_kv_heads:
+            raise ParallelError(
+                f"tp={par.tp} and num_key_value_heads={att.num_kv_heads} of {model.name}: one must divide the other "
+                "(KV heads are split, or replicated when tp > num_key_value_heads)"
+            )
+    if par.pp > model.num_layers:
+        raise ParallelError(f"pipeline degree pp={par.pp} exceeds the {model.num_layers} layers of {model.name}")
+    if par.ep > 1:
+        if not model.is_moe:
+            raise ParallelError(f"expert parallel ep={par.ep} given but {model.name} has no experts; use ep=1")
+        if model.num_experts % par.ep:
+            raise ParallelError(f"ep={par.ep} does not divide the {model.num_experts} experts of {model.name}")
+        if (par.tp * par.dp) % par.ep:
+            raise ParallelError(f"ep={par.ep} must divide tp*dp={par.tp * par.dp} (EP ranks come from the TP x DP devices)")
+
+
+def kv_shard(model: ModelDesc, par: ParallelConfig) -> int:
+    """How many ways the KV cache of one layer is split across TP ranks (MLA latents are replicated)."""
+    att = model.groups[0].attention
+    return 1 if att.is_mla else min(par.tp, att.num_kv_heads)
+
+
+def weight_bytes_per_device(model: ModelDesc, par: ParallelConfig) -> float:
+    wb = DTYPE_BYTES[model.weight_dtype]
+    expert = model.expert_params()
+    emb_one = model.vocab_size * model.hidden_size
+    emb = model.embedding_params()
+    body = model.num_params() - expert - emb
+    expert_shard = par.ep if par.ep > 1 else par.tp
+    # with pp > 1 the input embedding sits on the first stage and the LM head on the last
+    emb_dev = (emb if par.pp == 1 else emb_one) / par.tp
+    return (body / (par.tp * par.pp) + expert / (expert_shard * par.pp) + emb_dev) * wb
+
+
+def kv_bytes_per_token_per_device(model: ModelDesc, par: ParallelConfig) -> float:
+    return model.kv_bytes_per_token() / kv_shard(model, par) / par.pp
+
+
+def activation_bytes_per_device(model: ModelDesc, par: ParallelConfig, max_num_batched_tokens: int,
+                                max_num_seqs: int) -> float:
+    """Peak transient memory of one step: the widest intermediate plus fp32 logits (an estimate)."""
+    ab = DTYPE_BYTES[model.act_dtype]
+    widest = 0
+    for g in model.groups:
+        for lin in g.mlp_linears + g.attn_linears + (g.moe.shared_linears if g.moe else ()):
+            widest = max(widest, lin.out_features)
+    per_token = (4 * model.hidden_size + 2 * widest / par.tp) * ab
+    logits = max_num_seqs * model.vocab_size / par.tp * 4
+    return max_num_batched_tokens * per_token + logits
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    capacity_bytes: float  # usable: capacity * memory_utilization
+    weight_bytes: float
+    activation_bytes: float
+    kv_bytes_per_token: float
+    kv_capacity_tokens: int
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "capacity_gb": self.capacity_bytes / GB,
+            "weight_gb": self.weight_bytes / GB,
+            "activation_gb": self.activation_bytes / GB,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_capacity_tokens": self.kv_capacity_tokens,
+        }
+
+
+def plan_memory(model: ModelDesc, hw: HardwareSpec, par: ParallelConfig, max_num_batched_tokens: int = 8192,
+                max_num_seqs: int = 256, memory_utilization: float = 0.9, min_kv_tokens: int = 0) -> MemoryPlan:
+    """Per-device memory plan; DoesNotFitError when weights + activations + min KV exceed it."""
+    check_parallel(model, par)
+    cap = hw.memory.capacity_bytes * memory_utilization
+    w = weight_bytes_per_device(model, par)
+    act = activation_bytes_per_device(model, par, max_num_batched_tokens, max_num_seqs)
+    kv_tok = kv_bytes_per_token_per_device(model, par)
+    need = w + act + min_kv_tokens * kv_tok
+    free = cap - w - act
+    if need > cap or free <= 0:
+        raise DoesNotFitError(
+            f"{model.name} on {hw.name} with {par.describe()} does not fit: needs {need / GB:.1f} GB per device "
+            f"(weights {w / GB:.1f} + activations {act / GB:.1f} + KV for {min_kv_tokens} tokens "
+            f"{min_kv_tokens * kv_tok / GB:.1f}), has {cap / GB:.1f} GB ({memory_utilization:.0%} of "
+            f"{hw.memory.capacity_gib} GiB); raise tp/pp, lower max_num_batched_tokens, or pick a larger device"
+        )
+    return MemoryPlan(cap, w, act, kv_tok, int(free // kv_tok) if kv_tok > 0 else 10**12)
+
+
+def pipeline_time(stage_time_s: float, num_microbatches: int, pp: int, p2p_time_s: float = 0.0) -> float:
+    """GPipe schedule: (m + p - 1) slots of one stage (+ its send); bubble fraction (p-1)/(m+p-1)."""
+    return (num_microbatches + pp - 1) * (stage_time_s + p2p_time_s)
+
+
+def pipeline_bubble_fraction(num_microbatches: int, pp: int) -> float:
+    return (pp - 1) / (num_microbatches + pp - 1)

@@ -1,0 +1,67 @@
+"""HF `config.json` contents of well-known models, so the simulator runs without a download.
+
+Only the keys the model description reads are kept; values are copied from the models' published
+config.json files on the Hugging Face Hub (repo named in `_name_or_path`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_LLAMA3_8B: dict[str, Any] = {
+    "_name_or_path": "meta-llama/Llama-3.1-8B", "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "vocab_size": 128256, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "max_position_embeddings": 131072,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-2-7b": {
+        "_name_or_path": "meta-llama/Llama-2-7b-hf", "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "vocab_size": 32000, "torch_dtype": "float16", "max_position_embeddings": 4096,
+    },
+    "llama-2-70b": {
+        "_name_or_path": "meta-llama/Llama-2-70b-hf", "model_type": "llama", "hidden_size": 8192,
+        "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "vocab_size": 32000, "torch_dtype": "float16", "max_position_embeddings": 4096,
+    },
+    "llama-3.1-8b": _LLAMA3_8B,
+    "llama-3.1-70b": {
+        **_LLAMA3_8B, "_name_or_path": "meta-llama/Llama-3.1-70B", "hidden_size": 8192, "intermediate_size": 28672,
+        "num_hidden_layers": 80, "num_attention_heads": 64,
+    },
+    "llama-3.1-405b": {
+        **_LLAMA3_8B, "_name_or_path": "meta-llama/Llama-3.1-405B", "hidden_size": 16384,
+        "intermediate_size": 53248, "num_hidden_layers": 126, "num_attention_heads": 128,
+    },
+    "mistral-7b-v0.1": {
+        "_name_or_path": "mistralai/Mistral-7B-v0.1", "model_type": "mistral", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "vocab_size": 32000, "sliding_window": 4096, "torch_dtype": "bfloat16",
+    },
+    "mixtral-8x7b": {
+        "_name_or_path": "mistralai/Mixtral-8x7B-v0.1", "model_type": "mixtral", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "vocab_size": 32000, "num_local_experts": 8, "num_experts_per_tok": 2, "torch_dtype": "bfloat16",
+    },
+    "qwen1.5-moe-a2.7b": {
+        "_name_or_path": "Qwen/Qwen1.5-MoE-A2.7B", "model_type": "qwen2_moe", "hidden_size": 2048,
+        "intermediate_size": 5632, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+        "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 151936,
+        "num_experts": 60, "num_experts_per_tok": 4, "decoder_sparse_step": 1, "torch_dtype": "bfloat16",
+    },
+    "deepseek-v3": {
+        "_name_or_path": "deepseek-ai/DeepSeek-V3", "model_type": "deepseek_v3", "hidden_size": 7168,
+        "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+        "num_attention_heads": 128, "num_key_value_heads": 128, "vocab_size": 129280, "n_routed_experts": 256,
+        "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1,
+        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "torch_dtype": "bfloat16",
+    },
+    "gemma-2-9b": {
+        "_name_or_path": "google/gemma-2-9b", "model_type": "gemma2", "hidden_size": 3584,
+        "intermediate_size": 14336, "num_hidden_layers": 42, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 256, "vocab_size": 256000, "sliding_window": 4096, "tie_word_embeddings": True,
+        "layer_types": ["sliding_attention", "full_attention"] * 21, "torch_dtype": "bfloat16",
+    },
+}

@@ -1,0 +1,67 @@
+import pytest
+
+from firstlight.sim.model import ModelConfigError, load_model, model_from_config
+
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 100}
+
+
+def test_tiny_dense_hand_count():
+    m = model_from_config(TINY)
+    head_dim = 16
+    attn = 64 * (4 + 2 * 2) * head_dim + 4 * head_dim * 64  # qkv + o
+    mlp = 3 * 64 * 128  # gate, up, down
+    per_layer = attn + mlp + 2 * 64  # + two RMSNorm weights
+    assert m.num_params() == 2 * per_layer + 2 * 100 * 64 + 64
+    assert m.kv_bytes_per_token() == 2 * 2 * 2 * head_dim * 2  # layers * (k+v) * kv_heads * d * bf16
+    assert m.flops_per_token(0) == pytest.approx(2 * (m.num_params() - 100 * 64))
+    # attention adds 2*H*(d_qk+d_v) per key per layer
+    assert m.flops_per_token(10) - m.flops_per_token(0) == pytest.approx(2 * 2 * 4 * 32 * 10)
+
+
+def test_published_parameter_counts():
+    assert load_model("llama-2-7b").num_params() == 6_738_415_616  # HF model card: 6.74B
+    assert load_model("llama-3.1-8b").num_params() == 8_030_261_248  # 8.03B
+    mix = load_model("mixtral-8x7b")
+    assert mix.num_params() / 1e9 == pytest.approx(46.7, abs=0.05)  # Mistral: 46.7B total
+    assert mix.num_active_params() / 1e9 == pytest.approx(12.9, abs=0.05)  # 12.9B active
+    ds = load_model("deepseek-v3")
+    assert ds.num_params() / 1e9 == pytest.approx(671, abs=1)  # DeepSeek-V3 report: 671B (w/o MTP)
+    assert ds.num_active_params() / 1e9 == pytest.approx(37, abs=1)  # 37B activated
+    qw = load_model("qwen1.5-moe-a2.7b")
+    assert qw.num_params() / 1e9 == pytest.approx(14.3, abs=0.1)
+    assert qw.num_active_params() / 1e9 == pytest.approx(2.7, abs=0.1)
+
+
+def test_kv_bytes_gqa_and_mla():
+    assert load_model("llama-3.1-70b").kv_bytes_per_token() == 80 * 2 * 8 * 128 * 2
+    ds = load_model("deepseek-v3")
+    assert ds.kv_bytes_per_token() == 61 * (512 + 64) * 2  # latent + rope key, one copy per layer
+    assert ds.groups[0].attention.is_mla
+
+
+def test_sliding_window_caps_kv():
+    m = load_model("mistral-7b-v0.1")
+    assert m.kv_bytes_for_context(10_000) == m.kv_bytes_for_context(4096)
+    g = load_model("gemma-2-9b")
+    windows = sorted((x.attention.sliding_window or 0, x.num_layers) for x in g.groups)
+    assert windows == [(0, 21), (4096, 21)]
+    full = g.kv_bytes_per_token()
+    assert g.kv_bytes_for_context(8192) == pytest.approx(full * 4096 + full / 2 * 4096)
+
+
+def test_moe_groups_first_dense_layers():
+    ds = load_model("deepseek-v3")
+    dense = [x for x in ds.groups if x.moe is None]
+    moe = [x for x in ds.groups if x.moe is not None]
+    assert sum(x.num_layers for x in dense) == 3 and sum(x.num_layers for x in moe) == 58
+    assert moe[0].moe.shared_linears  # one shared expert
+
+
+def test_bad_config_names_the_key():
+    bad = dict(TINY)
+    del bad["num_attention_heads"]
+    with pytest.raises(ModelConfigError, match="num_attention_heads"):
+        model_from_config(bad)
+    with pytest.raises(ModelConfigError, match="no such config.json"):
+        load_model("/nonexistent/config.json")

@@ -1,4 +1,4 @@
-"""`firstlight sim ...`: specs, model, fit, step, collective, serve, validate."""
+"""`firstlight sim ...`: specs, model, fit, step, collective, serve, validate, replay, calibrate, sweep."""
 
 from __future__ import annotations
 
@@ -165,6 +165,8 @@ def serve(hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1, ep: i
           prompt_len: int = 512, output_len: int = 128, len_dist: str = "fixed",
           max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, block_size: int = 16,
           router: str = "round_robin", slo_ttft: float = 2.0, slo_tpot: float = 0.1, seed: int = 0,
+          microbatches: int | None = typer.Option(None, help="pp > 1: micro-batches per step (default: pp)"),
+          pipeline_schedule: str = typer.Option("gpipe", help="pp > 1: gpipe (flush each step) | async"),
           out: Path | None = typer.Option(None, help="write a report directory (result.json, PNG plots)")) -> None:
     """Simulate serving a workload: latency distributions, throughput, goodput, utilization, $/1M tokens."""
     from firstlight.core.hardware import load_spec
@@ -177,13 +179,14 @@ def serve(hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1, ep: i
     cfg = ServeConfig(tp=tp, pp=pp, ep=ep, num_replicas=replicas, num_prefill_replicas=prefill_replicas,
                       num_decode_replicas=decode_replicas, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, router=router,
-                      slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot)
+                      slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot, num_microbatches=microbatches,
+                      pipeline_schedule=pipeline_schedule)
     result, res = run_serve(load_model(model_name), load_spec(hw), wl, cfg)
     if out:
         write_serve_report(out, result, res, wl)
         typer.echo(f"report: {out}/index.html")
     keys = ("num_devices", "num_finished", "makespan_s", "ttft_s", "tpot_s", "itl_s", "e2e_s", "throughput",
-            "goodput", "utilization", "num_preemptions", "cost", "sim")
+            "goodput", "utilization", "pipeline", "num_preemptions", "cost", "sim")
     _print_json({k: result[k] for k in keys})
 
 
@@ -197,3 +200,115 @@ def validate(markdown: bool = typer.Option(False, help="print the docs/VALIDATIO
         typer.echo(to_markdown(rows))
     else:
         _print_json(rows)
+
+
+TRACE = typer.Option(..., "--trace", help="engine trace JSONL (firstlight.core.Trace), e.g. from the engine's --trace")
+
+
+@app.command()
+def replay(trace: Path = TRACE, hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1,
+           limit: int = typer.Option(20, help="steps to print (all go to --out)"),
+           out: Path | None = typer.Option(None, help="write every step as JSON")) -> None:
+    """Re-price every recorded Batch with the cost model: predicted vs measured step time."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from firstlight.core.hardware import load_spec
+    from firstlight.sim.calibrate import load_trace_steps
+    from firstlight.sim.calibrate import replay as run_replay
+    from firstlight.sim.model import load_model
+    from firstlight.sim.parallel import ParallelConfig
+
+    r = run_replay(load_trace_steps(trace), load_model(model_name), load_spec(hw), ParallelConfig(tp=tp, pp=pp))
+    t = Table("step", "seqs", "prefill tok", "decode tok", "measured execute ms", "measured total ms", "predicted ms",
+              "error", title=f"{r['model']} on {r['hardware']}: {r['num_steps']} steps")
+    for row in r["steps"][:limit]:
+        err = (row["predicted_s"] - row["measured_execute_s"]) / row["measured_execute_s"] * 100
+        t.add_row(str(row["step"]), str(row["num_seqs"]), str(row["num_prefill_tokens"]), str(row["num_decode_tokens"]),
+                  f"{row['measured_execute_s'] * 1e3:.3f}", f"{row['measured_total_s'] * 1e3:.3f}",
+                  f"{row['predicted_s'] * 1e3:.3f}", f"{err:+.1f}%")
+    Console().print(t)
+    for what in ("vs_execute", "vs_total"):
+        e = r[what]
+        typer.echo(f"predicted {what}: median |err| {e['median_abs_pct']:.1f}%, p90 |err| {e['p90_abs_pct']:.1f}%, "
+                   f"total predicted {e['total_pred_s']:.3f} s vs measured {e['total_meas_s']:.3f} s")
+    if out:
+        out.write_text(json.dumps(r, indent=2))
+        typer.echo(f"steps: {out}")
+
+
+@app.command()
+def calibrate(trace: Path = TRACE, hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1,
+              out: Path = typer.Option(Path("calibrated.yaml"), help="calibrated spec YAML to write")) -> None:
+    """Fit compute/memory efficiency and per-step overhead to a trace's execute_s; write a calibrated spec."""
+    from firstlight.core.hardware import load_spec
+    from firstlight.sim.calibrate import calibrate as run_calibrate
+    from firstlight.sim.calibrate import load_trace_steps, write_spec_yaml
+    from firstlight.sim.model import load_model
+    from firstlight.sim.parallel import ParallelConfig
+
+    r = run_calibrate(load_trace_steps(trace), load_model(model_name), load_spec(hw), ParallelConfig(tp=tp, pp=pp),
+                      source=str(trace))
+    write_spec_yaml(r["spec"], out)
+    b, a, f = r["before"], r["after"], r["fit"]
+    typer.echo(f"{r['num_steps']} steps of {r['model']} on {r['hardware']}")
+    typer.echo(f"fit: compute {f['compute']:.3f}, memory {f['memory']:.3f}, step overhead "
+               f"{f['step_overhead_us']:.0f} us (+ host {r['host_overhead_us']:.0f} us in the spec)")
+    typer.echo(f"execute_s error before: median {b['median_abs_pct']:.1f}%, p90 {b['p90_abs_pct']:.1f}%")
+    typer.echo(f"execute_s error after:  median {a['median_abs_pct']:.1f}%, p90 {a['p90_abs_pct']:.1f}%")
+    typer.echo(f"calibrated spec: {out}")
+
+
+@app.command()
+def sweep(model_name: str = MODEL,
+          hw: str = typer.Option("h100,h200,mi300x", "--hw", help="comma-separated spec names or YAML paths"),
+          tp: str = typer.Option("1,2,4,8", help="comma-separated TP degrees"),
+          pp: str = typer.Option("1", help="comma-separated PP degrees"),
+          rate: str = typer.Option("4", help="comma-separated request rates (req/s)"),
+          slo: str = typer.Option("ttft=2,tpot=0.1", help="p90 SLOs in seconds: ttft=..,tpot=.."),
+          num_requests: int = 500, prompt_len: int = 512, output_len: int = 128, len_dist: str = "fixed",
+          replicas: int = 1, seed: int = 0,
+          workers: int | None = typer.Option(None, help="local processes (default: CPU count)"),
+          ray: bool = typer.Option(False, "--ray", help="run the points as Ray tasks (needs ray installed)"),
+          out: Path | None = typer.Option(None, help="report directory: result.json, Pareto plot, index.html")) -> None:
+    """Every (hardware, tp, pp, rate) through the serving simulator; table, Pareto plot, best config under SLO."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from firstlight.sim.sweep import (
+        SweepSpec,
+        best_meeting_slo,
+        grid,
+        parse_list,
+        parse_slo,
+        run_sweep,
+        write_sweep_report,
+    )
+
+    ttft, tpot = parse_slo(slo)
+    points = grid(parse_list(hw, str, "--hw"), parse_list(tp, int, "--tp"), parse_list(pp, int, "--pp"),
+                  parse_list(rate, float, "--rate"))
+    spec = SweepSpec(model_name, num_requests, prompt_len, output_len, len_dist=len_dist, seed=seed,
+                     num_replicas=replicas, slo_ttft_s=ttft, slo_tpot_s=tpot)
+    rows = run_sweep(points, spec, workers, ray)
+    t = Table("hw", "tp", "pp", "rate", "devices", "p90 TTFT s", "p90 TPOT ms", "out tok/s", "$/1M out", "SLO",
+              title=f"{model_name}: {len(rows)} points")
+    for r in rows:
+        if not r["fits"]:
+            t.add_row(r["hw"], str(r["tp"]), str(r["pp"]), f"{r['rate']:g}", str(r["num_devices"]),
+                      "-", "-", "-", "-", "does not fit" if "fit" in r["reason"] else r["reason"][:40])
+            continue
+        cost = r["usd_per_1m_output_tokens"]
+        t.add_row(r["hw"], str(r["tp"]), str(r["pp"]), f"{r['rate']:g}", str(r["num_devices"]),
+                  f"{r['ttft_p90_s']:.3f}", f"{r['tpot_p90_s'] * 1e3:.1f}", f"{r['output_tokens_per_s']:.0f}",
+                  "-" if cost is None else f"{cost:.3f}", "yes" if r["meets_slo"] else "no")
+    Console().print(t)
+    best = best_meeting_slo(rows)
+    if best:
+        typer.echo(f"best meeting p90 TTFT <= {ttft:g} s and p90 TPOT <= {tpot * 1e3:g} ms: {best['hw']} tp={best['tp']} "
+                   f"pp={best['pp']} at {best['rate']:g} req/s, ${best['usd_per_1m_output_tokens']:.3f} per 1M output tokens")
+    else:
+        typer.echo("no point meets the SLO")
+    if out:
+        write_sweep_report(out, rows, spec)
+        typer.echo(f"report: {out}/index.html")

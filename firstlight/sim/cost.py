@@ -219,6 +219,38 @@ class CostModel:
             t += op.time_s
         return t
 
+    # ---- pipeline parallelism ---------------------------------------------------------------------
+    def pipelined_step_time(self, num_tokens: int, num_seqs: int, num_decode: int = 0, decode_ctx_sum: float = 0.0,
+                            prefill_chunks: list[tuple[int, int]] | tuple = (), num_microbatches: int = 1,
+                            schedule: str = "gpipe") -> tuple[float, float]:
+        """(step seconds, busy seconds of one stage) when the step's work flows through `pp` stages.
+
+        The batch is split into `m` micro-batches (decodes evenly, prefill chunks greedily by tokens);
+        micro-batch i takes t_i = (its whole-model time - step overhead) / pp on every stage. `gpipe`
+        flushes the pipeline every step: a flow shop whose jobs take equal time on every machine has
+        makespan sum(t_i) + (pp-1) max(t_i), i.e. (m + pp - 1) t for equal micro-batches, bubble
+        (pp-1)/(m+pp-1) (Huang et al., GPipe, 2019). `async` lets the next step's micro-batches enter
+        stage 1 while this step drains (vLLM's virtual engines): the period is max(sum t_i, pp max t_i),
+        a micro-batch's tokens must leave the last stage before its next step can start.
+        """
+        p = self.par.pp
+        if p == 1 or num_tokens <= 0:
+            t = self.step_time(num_tokens, num_seqs, num_decode, decode_ctx_sum, prefill_chunks)
+            return t, max(t - self.step_s, 0.0) if num_tokens > 0 else 0.0
+        stage_times = [
+            (self.step_time(*mb) - self.step_s) / p
+            for mb in split_microbatches(num_microbatches, num_decode, decode_ctx_sum, list(prefill_chunks))
+        ]
+        busy = sum(stage_times)
+        longest = max(stage_times)
+        if schedule == "gpipe":
+            span = busy + (p - 1) * longest
+        elif schedule == "async":
+            span = max(busy, p * longest)
+        else:
+            raise ValueError(f"unknown pipeline schedule {schedule!r}: expected gpipe or async")
+        return self.step_s + span, busy
+
     @staticmethod
     def _aggregate(batch: Batch, window: int | None) -> tuple[int, float, float | None, list[tuple[int, int]]]:
         num_decode = 0
@@ -267,3 +299,27 @@ def _causal_pairs(n: float, c: float, window: float | None) -> float:
     k = max(0.0, min(n, window - c))  # queries still below the window
     below = k * c + k * (k + 1) / 2 if k > 0 else 0.0
     return below + (n - k) * window
+
+
+def split_microbatches(m: int, num_decode: int, decode_ctx_sum: float, chunks: list[tuple[int, int]],
+                       ) -> list[tuple[int, int, int, float, list[tuple[int, int]]]]:
+    """Split one step into <= m micro-batches: (tokens, seqs, decodes, decode context, prefill chunks) each.
+
+    Decodes are dealt evenly (context in proportion); prefill chunks go, largest first, to the
+    micro-batch with the fewest tokens so far. Empty micro-batches are dropped.
+    """
+    m = max(1, min(m, num_decode + len(chunks)))
+    nd = [num_decode // m + (1 if i < num_decode % m else 0) for i in range(m)]
+    tokens = list(nd)
+    parts: list[list[tuple[int, int]]] = [[] for _ in range(m)]
+    for n, c in sorted(chunks, key=lambda x: -x[0]):
+        i = min(range(m), key=tokens.__getitem__)
+        parts[i].append((n, c))
+        tokens[i] += n
+    out = []
+    for i in range(m):
+        if tokens[i] == 0:
+            continue
+        ctx = decode_ctx_sum * nd[i] / num_decode if num_decode else 0.0
+        out.append((tokens[i], nd[i] + len(parts[i]), nd[i], ctx, parts[i]))
+    return out

@@ -26,6 +26,8 @@ class ServeConfig(BaseModel):
     num_replicas: int = Field(default=1, ge=1)  # data parallel; with disaggregation: unused
     num_prefill_replicas: int = Field(default=0, ge=0)  # > 0 turns on prefill/decode disaggregation
     num_decode_replicas: int = Field(default=0, ge=0)
+    num_microbatches: int | None = Field(default=None, ge=1)  # pp > 1: per step; None = pp
+    pipeline_schedule: str = "gpipe"  # gpipe | async
     max_num_batched_tokens: int = Field(default=8192, ge=1)
     max_num_seqs: int = Field(default=256, ge=1)
     block_size: int = Field(default=16, ge=1)
@@ -67,7 +69,8 @@ def run_serve(model: ModelDesc, hw: HardwareSpec, workload: Workload, cfg: Serve
             f"a request of {longest} tokens does not fit the KV cache of one replica ({kv_tokens} tokens); "
             "raise tp/pp or memory_utilization, or shorten the workload"
         )
-    sched = SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.block_size)
+    sched = SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.block_size,
+                            num_microbatches=cfg.num_microbatches or cfg.pp, pipeline_schedule=cfg.pipeline_schedule)
     reqs = Requests(workload)
     disagg = cfg.num_prefill_replicas > 0
     if disagg and cfg.num_decode_replicas < 1:
@@ -142,6 +145,7 @@ def summarize(res: SimResult, wl: Workload, cfg: ServeConfig, hw: HardwareSpec, 
             "requests_per_s": float(good.sum()) / span,
         },
         "utilization": [rep.busy_s / span for rep in res.replicas],
+        "pipeline": _pipeline_summary(res, par, cfg),
         "num_steps": [rep.num_steps for rep in res.replicas],
         "max_running": [rep.max_running for rep in res.replicas],
         "num_preemptions": int(sum(r.num_preemptions)),
@@ -154,6 +158,18 @@ def summarize(res: SimResult, wl: Workload, cfg: ServeConfig, hw: HardwareSpec, 
         "sim": {"wall_s": wall_s, "num_events": res.num_events,
                 "requests_per_wall_s": len(wl) / wall_s if wall_s > 0 else None},
     }
+
+
+def _pipeline_summary(res: SimResult, par: ParallelConfig, cfg: ServeConfig) -> dict[str, Any] | None:
+    """Bubble fraction: the share of non-overhead step time a stage sat idle."""
+    if par.pp == 1:
+        return None
+    out = []
+    for rep in res.replicas:
+        span = rep.busy_s - rep.num_steps * rep.cost.step_s
+        out.append(1.0 - rep.stage_busy_s / span if span > 0 else 0.0)
+    return {"pp": par.pp, "num_microbatches": cfg.num_microbatches or par.pp, "schedule": cfg.pipeline_schedule,
+            "bubble_fraction": out}
 
 
 def figures(res: SimResult, wl: Workload) -> dict[str, Any]:

@@ -38,9 +38,13 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     block_size: int = 16
     enable_chunked_prefill: bool = True
+    num_microbatches: int = 1  # with pp > 1: micro-batches each step is split into
+    pipeline_schedule: str = "gpipe"  # gpipe (flush every step) | async (steps overlap, vLLM virtual engines)
 
     def __post_init__(self) -> None:
-        for k in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
+        if self.pipeline_schedule not in ("gpipe", "async"):
+            raise SimConfigError(f"pipeline_schedule {self.pipeline_schedule!r}: expected gpipe or async")
+        for k in ("max_num_batched_tokens", "max_num_seqs", "block_size", "num_microbatches"):
             if getattr(self, k) < 1:
                 raise SimConfigError(f"scheduler {k} must be >= 1, got {getattr(self, k)}")
 
@@ -85,6 +89,9 @@ class Replica:
         self.step = 0
         self.busy = False
         self.busy_s = 0.0
+        self.stage_busy_s = 0.0  # with pp > 1: seconds one pipeline stage computed (busy_s minus bubbles)
+        self.pipelined = cost.par.pp > 1
+        self.step_stage_busy: list[float] = []  # with pp > 1: one stage's compute seconds per step
         self.num_steps = 0
         self.cur_chunks: list[tuple[int, int]] = []  # (rid, chunk) of the step in flight
         self.link_free_s = 0.0  # for KV transfers out of a prefill replica
@@ -203,7 +210,14 @@ class Replica:
             return None
         num_tokens = nd + sum(n for _, n in chunks)
         num_seqs = nd + len(chunks)
-        dt = self.cost.step_time(num_tokens, num_seqs, nd, self.ctx_base + nd * self.step, cost_chunks)
+        ctx = self.ctx_base + nd * self.step
+        if self.pipelined:
+            dt, stage = self.cost.pipelined_step_time(num_tokens, num_seqs, nd, ctx, cost_chunks,
+                                                      cfg.num_microbatches, cfg.pipeline_schedule)
+            self.stage_busy_s += stage
+            self.step_stage_busy.append(stage)
+        else:
+            dt = self.cost.step_time(num_tokens, num_seqs, nd, ctx, cost_chunks)
         self.cur_chunks = chunks
         self.busy = True
         self.busy_s += dt

@@ -10,15 +10,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from firstlight.core.batch import Batch, ScheduledSeq
 from firstlight.core.hardware import load_spec
 from firstlight.sim.collectives import bus_bandwidth_factor, collective_time
 from firstlight.sim.cost import CostModel
 from firstlight.sim.model import load_model
 from firstlight.sim.parallel import ParallelConfig
+from firstlight.sim.serve import ServeConfig, run_serve
+from firstlight.sim.workload import Workload
 
 NEMO = ("NVIDIA NeMo Framework user guide, performance/llama.html: Llama-2 inference, input 128 / output 20 "
         "tokens, average latency (ms)")
+TRTLLM_OVERVIEW = ("NVIDIA/TensorRT-LLM docs/source/performance/perf-overview.md (v1.0 docs, commit 00f3768): "
+                   "trtllm-bench throughput, infinite request rate, fixed ISL/OSL, Total Output Throughput")
+TRTLLM_V09 = ("NVIDIA/TensorRT-LLM docs/source/performance.md, 'Low Latency' tables (data generated with v0.9.0): "
+              "batch 1, 1st token latency, gptSessionBenchmark with output length 1")
 GPT_FAST = ("pytorch-labs/gpt-fast README: Mixtral 8x7B bf16, batch 1, tokens/s on 8xA100-80GB "
             "(power-limited to 330 W)")
 
@@ -47,13 +55,36 @@ def _decode_tokens_per_s(model: str, hw: str, tp: int, ep: int = 1, ctx: int = 6
     return 1.0 / cm.time(Batch((ScheduledSeq("r", 1, ctx, 5),)))
 
 
-def _busbw_gbps(hw: str, nbytes: float = 8e9, p: int = 8) -> float:
+def _busbw_gbps(hw: str, nbytes: float = 8e9, p: int = 8, algorithm: str = "ring") -> float:
     spec = load_spec(hw)
     link = spec.links.scale_up
     assert link is not None
     alpha = link.latency_s + spec.efficiency.collective_overhead_us * 1e-6
-    t = collective_time("all_reduce", nbytes, p, alpha, link.bandwidth_bytes_per_s * spec.efficiency.network, "ring")
+    t = collective_time("all_reduce", nbytes, p, alpha, link.bandwidth_bytes_per_s * spec.efficiency.network, algorithm)
     return nbytes / t * bus_bandwidth_factor("all_reduce", p) / 1e9
+
+
+def _offline_output_tokens_per_s(model: str, hw: str, tp: int, isl: int, osl: int, num_requests: int,
+                                  dtype: str = "fp8") -> float:
+    """trtllm-bench's throughput scenario through the serving simulator: every request queued at t=0,
+    continuous batching (max 2048 seqs, 8192 batched tokens), KV capacity from the memory plan."""
+    n = num_requests
+    wl = Workload(np.zeros(n), np.full(n, isl, dtype=np.int64), np.full(n, osl, dtype=np.int64))
+    cfg = ServeConfig(tp=tp, max_num_seqs=2048, max_num_batched_tokens=8192)
+    result, _ = run_serve(load_model(model, weight_dtype=dtype, kv_dtype=dtype), load_spec(hw), wl, cfg)
+    return float(result["throughput"]["output_tokens_per_s"])
+
+
+def _ttft_ms(model: str, hw: str, tp: int, isl: int, dtype: str) -> float:
+    """One request of `isl` prompt tokens into an idle replica: its TTFT from the serving simulator."""
+    wl = Workload(np.zeros(1), np.array([isl], dtype=np.int64), np.array([1], dtype=np.int64))
+    result, _ = run_serve(load_model(model, weight_dtype=dtype, kv_dtype=dtype), load_spec(hw), wl,
+                          ServeConfig(tp=tp))
+    return float(result["ttft_s"]["p50"]) * 1e3
+
+
+def _trt(model: str, hw: str, tp: int, isl: int, osl: int, n: int) -> Callable[[], float]:
+    return lambda: _offline_output_tokens_per_s(model, hw, tp, isl, osl, n)
 
 
 def _nemo(hw: str, tp: int, batch: int) -> Callable[[], float]:
@@ -81,6 +112,30 @@ ROWS: list[Row] = [
         lambda: _decode_tokens_per_s("mixtral-8x7b", "a100-80gb", 4)),
     Row("Mixtral-8x7B bf16 decode, 8xA100, TP8, batch 1", "decode", "tok/s", 227.82, GPT_FAST,
         lambda: _decode_tokens_per_s("mixtral-8x7b", "a100-80gb", 8)),
+    Row("Llama-2-7B fp8 prefill, H100-SXM, TP1, batch 1, 2048-token prompt: TTFT", "prefill", "ms", 30.8,
+        TRTLLM_V09, lambda: _ttft_ms("llama-2-7b", "h100-sxm", 1, 2048, "fp8")),
+    Row("Llama-2-7B fp16 prefill, A100-80GB, TP1, batch 1, 2048-token prompt: TTFT", "prefill", "ms", 132.4,
+        TRTLLM_V09, lambda: _ttft_ms("llama-2-7b", "a100-80gb", 1, 2048, "fp16")),
+    Row("Llama-2-70B fp8 prefill, H100-SXM, TP8, batch 1, 2048-token prompt: TTFT", "prefill", "ms", 85.1,
+        TRTLLM_V09, lambda: _ttft_ms("llama-2-70b", "h100-sxm", 8, 2048, "fp8")),
+    Row("Llama-2-70B fp8 prefill, H200, TP4, batch 1, 2048-token prompt: TTFT", "prefill", "ms", 103.0,
+        TRTLLM_V09, lambda: _ttft_ms("llama-2-70b", "h200", 4, 2048, "fp8")),
+    Row("Llama-2-70B fp16 prefill, A100-80GB, TP8, batch 1, 2048-token prompt: TTFT", "prefill", "ms", 249.2,
+        TRTLLM_V09, lambda: _ttft_ms("llama-2-70b", "a100-80gb", 8, 2048, "fp16")),
+    Row("Llama-3.1-8B fp8, H100-SXM, TP1, 3000 req 128 in / 2048 out, all queued at t=0", "throughput", "out tok/s",
+        22714, TRTLLM_OVERVIEW, _trt("llama-3.1-8b", "h100-sxm", 1, 128, 2048, 3000)),
+    Row("Llama-3.1-8B fp8, H200, TP1, 3000 req 1000 in / 1000 out, all queued at t=0", "throughput", "out tok/s",
+        17744, TRTLLM_OVERVIEW, _trt("llama-3.1-8b", "h200", 1, 1000, 1000, 3000)),
+    Row("Llama-3.1-8B fp8, H100-SXM, TP1, 3000 req 2048 in / 128 out (prefill-heavy), all queued at t=0",
+        "throughput", "out tok/s", 3450, TRTLLM_OVERVIEW, _trt("llama-3.1-8b", "h100-sxm", 1, 2048, 128, 3000)),
+    Row("Llama-3.3-70B fp8, H200, TP1, 3000 req 500 in / 2000 out, all queued at t=0", "throughput", "out tok/s",
+        3666, TRTLLM_OVERVIEW, _trt("llama-3.1-70b", "h200", 1, 500, 2000, 3000)),
+    Row("Llama-3.3-70B fp8, H100-SXM, TP2, 3000 req 1000 in / 1000 out, all queued at t=0", "throughput",
+        "out tok/s", 4205, TRTLLM_OVERVIEW, _trt("llama-3.1-70b", "h100-sxm", 2, 1000, 1000, 3000)),
+    Row("Llama-3.3-70B fp8, H100-SXM, TP2, 1500 req 5000 in / 500 out (prefill-heavy), all queued at t=0",
+        "throughput", "out tok/s", 898, TRTLLM_OVERVIEW, _trt("llama-3.1-70b", "h100-sxm", 2, 5000, 500, 1500)),
+    Row("Llama-3.1-405B fp8, H200, TP8, 3000 req 1000 in / 1000 out, all queued at t=0", "throughput",
+        "out tok/s", 3330, TRTLLM_OVERVIEW, _trt("llama-3.1-405b", "h200", 8, 1000, 1000, 3000)),
     Row("all_reduce busbw, 8xH100 NVLink, ring, large messages", "collective", "GB/s", 370.0,
         "NVIDIA/nccl-tests issue #212 (NCCL maintainer: ~370 GB/s effective NVLink busbw with NCCL_ALGO=RING)",
         lambda: _busbw_gbps("h100-sxm")),
@@ -89,7 +144,7 @@ ROWS: list[Row] = [
         lambda: _busbw_gbps("a100-80gb", 1e9)),
     Row("all_reduce busbw, 8xH200 NVLink (NCCL default: NVLS), 4 GB", "collective", "GB/s", 475.0,
         "NVIDIA/nccl-tests issue #272 (8xH200, NCCL 2.20.3: peak busbw 475 GB/s)",
-        lambda: _busbw_gbps("h200", 4e9)),
+        lambda: _busbw_gbps("h200", 4e9, algorithm="nvls")),
 ]
 
 

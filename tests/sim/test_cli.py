@@ -47,7 +47,7 @@ def test_sim_never_imports_engine_or_torch():
     import subprocess
     import sys
 
-    code = ("import sys, firstlight.sim.cli, firstlight.sim.serve, firstlight.sim.validation; "
+    code = ("import sys, firstlight.sim.cli, firstlight.sim.serve, firstlight.sim.validation, firstlight.sim.calibrate, firstlight.sim.sweep; "
             "bad=[m for m in sys.modules if m == 'torch' or m.startswith('firstlight.engine')]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

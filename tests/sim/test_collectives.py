@@ -75,3 +75,19 @@ def test_bad_names():
         collective_time("all_reduce", N, 8, A, B, "butterfly")
     with pytest.raises(CollectiveError, match="does not implement all_to_all"):
         collective_time("all_to_all", N, 8, A, B, "ring")
+
+
+def test_nvls_in_switch_all_reduce_closed_form_routed_and_needs_a_switch():
+    p = 8
+    t = collective_time("all_reduce", N, p, A, B, "nvls")
+    assert t == pytest.approx(A + N / B)
+    # busbw = 2(p-1)/p * B: beats the ring's bound of B at large sizes
+    assert t < collective_time("all_reduce", N, p, A, B, "ring")
+    g = build_topology("switch", p, B, 2 * A)  # hops of A each; the up and down streams overlap
+    r = route_steps(get_algorithm("nvls").steps("all_reduce", p, N), g)
+    assert r.time_s == pytest.approx(t)
+    assert r.max_link_flows == 1
+    with pytest.raises(CollectiveError, match="no path"):
+        route_steps(get_algorithm("nvls").steps("all_reduce", p, N), build_topology("torus2d", p, B, A))
+    # auto (what the cost model's TP all-reduce uses) never picks nvls silently
+    assert collective_time("all_reduce", N, p, A, B, "auto") > t

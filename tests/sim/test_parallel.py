@@ -47,3 +47,68 @@ def test_expert_parallel_splits_experts():
 def test_pipeline_bubble():
     assert pipeline_time(1.0, 8, 4) == 11.0
     assert pipeline_bubble_fraction(8, 4) == pytest.approx(3 / 11)
+
+
+def _pp_cost(pp):
+    from firstlight.sim.cost import CostModel
+
+    return CostModel(load_model("llama-3.1-70b"), load_spec("h100"), ParallelConfig(tp=2, pp=pp))
+
+
+@pytest.mark.parametrize("p,m", [(4, 1), (4, 4), (4, 8), (2, 16)])
+def test_pipelined_step_bubble_matches_closed_form(p, m):
+    cm = _pp_cost(p)
+    # 64 decodes at equal context split into m equal micro-batches
+    t, stage = cm.pipelined_step_time(64, 64, 64, 64 * 1000.0, [], num_microbatches=m)
+    span = t - cm.step_s
+    assert 1 - stage / span == pytest.approx(pipeline_bubble_fraction(m, p), rel=1e-12)
+    # equal micro-batches: (m + p - 1) slots of one stage time
+    assert span == pytest.approx(pipeline_time(stage / m, m, p), rel=1e-12)
+    # async (virtual engines): no per-step fill once m >= p
+    ta, _ = cm.pipelined_step_time(64, 64, 64, 64 * 1000.0, [], num_microbatches=m, schedule="async")
+    assert ta - cm.step_s == pytest.approx(max(m, p) * stage / m, rel=1e-12)
+
+
+def test_pipelined_step_unequal_microbatches_equals_explicit_stage_simulation():
+    """sum(t_i) + (p-1) max(t_i) against a per-stage recurrence: f[i][s] = max(f[i-1][s], f[i][s-1]) + t_i."""
+    from firstlight.sim.cost import split_microbatches
+
+    p, m = 4, 3
+    cm = _pp_cost(p)
+    chunks = [(900, 0), (300, 0), (120, 512), (40, 0)]
+    t, stage = cm.pipelined_step_time(10 + 1360, 14, 10, 10 * 700.0, chunks, num_microbatches=m)
+    times = [(cm.step_time(*mb) - cm.step_s) / p for mb in split_microbatches(m, 10, 10 * 700.0, chunks)]
+    assert len(times) == m and len(set(times)) == m  # really unequal
+    finish = [[0.0] * (p + 1) for _ in range(m + 1)]
+    for i in range(1, m + 1):
+        for s in range(1, p + 1):
+            finish[i][s] = max(finish[i - 1][s], finish[i][s - 1]) + times[i - 1]
+    assert t - cm.step_s == pytest.approx(finish[m][p], rel=1e-12)
+    assert stage == pytest.approx(sum(times))
+
+
+def test_serving_with_pipeline_reports_closed_form_bubble():
+    import numpy as np
+
+    from firstlight.sim.serve import ServeConfig, run_serve
+    from firstlight.sim.workload import Workload
+
+    n, p, m = 64, 4, 4
+    wl = Workload(np.zeros(n), np.full(n, 128, dtype=np.int64), np.full(n, 32, dtype=np.int64))
+    res, sim = run_serve(load_model("llama-3.1-70b"), load_spec("h100"), wl,
+                         ServeConfig(tp=2, pp=p, num_microbatches=m, max_num_seqs=n))
+    assert res["num_finished"] == n
+    # every step where all n requests decode splits into m equal micro-batches: the closed-form bubble
+    rep = sim.replicas[0]
+    full = [(d, s) for d, s, nd in zip(rep.step_durations, rep.step_stage_busy, rep.step_decodes, strict=True)
+            if nd == n]
+    assert len(full) >= 30
+    for d, s in full:
+        assert 1 - s / (d - rep.cost.step_s) == pytest.approx((p - 1) / (m + p - 1), rel=1e-9)
+    # the first step held one request alone (one micro-batch): the run's bubble is larger than that
+    assert res["pipeline"]["bubble_fraction"][0] > (p - 1) / (m + p - 1)
+    fast, _ = run_serve(load_model("llama-3.1-70b"), load_spec("h100"), wl,
+                        ServeConfig(tp=2, pp=p, num_microbatches=m, max_num_seqs=n, pipeline_schedule="async"))
+    # async with m >= p: only the lone first step leaves stages idle
+    assert fast["pipeline"]["bubble_fraction"][0] < 0.05
+    assert fast["e2e_s"]["p50"] < res["e2e_s"]["p50"]

@@ -1,6 +1,14 @@
 """Collective algorithms (one registered class per module) and their pricing on fabrics."""
 
-from firstlight.sim.collectives import halving_doubling, hierarchical, one_shot, pairwise, ring, tree  # noqa: F401  (register)
+from firstlight.sim.collectives import (  # noqa: F401  (register)
+    halving_doubling,
+    hierarchical,
+    nvls,
+    one_shot,
+    pairwise,
+    ring,
+    tree,
+)
 from firstlight.sim.collectives.base import (
     ALGORITHMS,
     COLLECTIVES,

@@ -18,7 +18,7 @@ from firstlight.errors import FirstlightError
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
-Flow = tuple[int, int, float]
+Flow = tuple[int | str, int | str, float]  # a str endpoint is a graph node by name (a switch)
 Step = list[Flow]
 
 

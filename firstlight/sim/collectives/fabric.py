@@ -73,8 +73,9 @@ def route_steps(steps: list[Step], graph: nx.DiGraph, ranks: list[Any] | None = 
         load: dict[tuple[Any, Any], int] = defaultdict(int)
         paths = []
         for src, dst, nbytes in step:
-            a = ranks[src] if ranks else src
-            b = ranks[dst] if ranks else dst
+            # an int is a rank; any other endpoint (nvls's switch "sw") is a graph node by name
+            a = ranks[src] if ranks and isinstance(src, int) else src
+            b = ranks[dst] if ranks and isinstance(dst, int) else dst
             if a == b:
                 continue
             edges = router.pick(a, b, load)
@@ -107,7 +108,7 @@ def collective_time(collective: str, nbytes: float, p: int, alpha: float, bandwi
     if algorithm == "auto":
         best = float("inf")
         for name, alg in ALGORITHMS.items():
-            if collective not in alg.supports or name == "hierarchical":
+            if collective not in alg.supports or name in ("hierarchical", "nvls"):  # need a layout / a SHARP switch
                 continue
             try:
                 best = min(best, collective_time(collective, nbytes, p, alpha, bandwidth, name, graph, ranks))

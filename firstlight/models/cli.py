@@ -38,7 +38,7 @@ def pull(
     """Make a local HF-format checkpoint dir for NAME and print its path."""
     from firstlight.models import hub
 
-    path = hub.pull(name, force=force)
+    path = hub.pull(name, force=force, progress=lambda msg: err.print(f"[dim]{msg}[/]"))
     print(path)
 
 
@@ -74,7 +74,7 @@ def generate(
 
     if threads:
         torch.set_num_threads(threads)
-    path = hub.resolve(model)
+    path = hub.resolve(model, progress=lambda msg: err.print(f"[dim]{msg}[/]"))
     net, tokenizer = load_model(path, dtype=dtype)
     if chat:
         if not tokenizer.chat_template:

@@ -92,9 +92,9 @@ def _open(gguf_path: Path) -> Any:
         for t in reader.tensors:
             if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
                 raise ValueError(f"tensor {t.name} extends past the end of the file")
-    except (ValueError, IndexError, OSError, KeyError, UnicodeDecodeError) as e:
+    except Exception as e:  # numpy, struct and the gguf package each fail their own way on bad bytes
         raise ModelLoadError(
-            f"{path} is not a readable GGUF file (truncated or corrupt: {type(e).__name__}: {e}); "
+            f"{path} is not a readable GGUF file (truncated or corrupt: {type(e).__name__}: {_one_line(e)}); "
             "re-download it or re-run `firstlight models pull NAME --force`"
         ) from e
     return reader
@@ -110,7 +110,9 @@ def read_metadata(reader: Any) -> dict[str, Any]:
         try:
             meta[key] = f.contents()
         except Exception as e:  # a field the gguf package cannot decode
-            raise ModelLoadError(f"GGUF metadata field {key} cannot be decoded ({e}); the file is corrupt") from e
+            raise ModelLoadError(
+                f"GGUF metadata field {key} cannot be decoded ({e}); the file is corrupt"
+            ) from e
     return meta
 
 
@@ -140,7 +142,9 @@ def build_config(meta: dict[str, Any], tensor_names: list[str], dtype: str = "fl
 
     def required(k: str) -> Any:
         if f"{arch}.{k}" not in meta:
-            raise ModelLoadError(f"GGUF metadata lacks {arch}.{k}; the file is incomplete or not a {arch} model")
+            raise ModelLoadError(
+                f"GGUF metadata lacks {arch}.{k}; the file is incomplete or not a {arch} model"
+            )
         return meta[f"{arch}.{k}"]
 
     hidden = int(required("embedding_length"))
@@ -167,7 +171,9 @@ def build_config(meta: dict[str, Any], tensor_names: list[str], dtype: str = "fl
     scaling_type = key("rope.scaling.type")
     if scaling_type not in (None, "none"):
         if scaling_type != "linear":
-            raise ModelLoadError(f"GGUF rope scaling type '{scaling_type}' is not supported; supported: linear")
+            raise ModelLoadError(
+                f"GGUF rope scaling type '{scaling_type}' is not supported; supported: linear"
+            )
         rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
 
     cfg: dict[str, Any] = {
@@ -203,7 +209,9 @@ def build_config(meta: dict[str, Any], tensor_names: list[str], dtype: str = "fl
         if head_dim != hidden // num_heads:
             raise ModelLoadError(f"qwen2 GGUF has head_dim {head_dim} != hidden/heads {hidden // num_heads}")
     if model_type == "qwen3":
-        cfg.update(hidden_act="silu", attention_bias=has_qkv_bias, use_sliding_window=False, sliding_window=None)
+        cfg.update(
+            hidden_act="silu", attention_bias=has_qkv_bias, use_sliding_window=False, sliding_window=None
+        )
     if model_type == "gemma3_text":
         cfg.update(_gemma3_fields(meta, arch, num_layers, hidden, num_heads, head_dim, theta, rope_scaling))
     return cfg
@@ -231,7 +239,9 @@ def _gemma3_fields(
     if window is None:
         raise ModelLoadError(f"GGUF metadata lacks {arch}.attention.sliding_window; the file is incomplete")
     local_theta = float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0))
-    layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+    layer_types = [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)
+    ]
     return {
         "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": hidden // num_heads if num_layers == 62 else head_dim,
@@ -277,7 +287,9 @@ def expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         if mt in ("qwen3", "gemma3_text"):
             layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
         if mt == "gemma3_text":
-            layer.update({"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)})
+            layer.update(
+                {"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)}
+            )
         shapes.update({p + k: v for k, v in layer.items()})
     return shapes
 
@@ -373,7 +385,7 @@ def write_tokenizer(gguf_path: Path, out_dir: Path, meta: dict[str, Any], max_le
         tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as e:  # transformers raises ValueError/KeyError/... for vocabularies it cannot build
         raise ModelLoadError(
-            f"{gguf_path}: transformers cannot build a tokenizer from this GGUF ({type(e).__name__}: {e})"
+            f"{gguf_path}: transformers cannot build a tokenizer from this GGUF ({type(e).__name__}: {_one_line(e)})"
         ) from e
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         tok.save_pretrained(tmp)
@@ -383,7 +395,10 @@ def write_tokenizer(gguf_path: Path, out_dir: Path, meta: dict[str, Any], max_le
         saved.pop(k, None)
     saved.update(
         model_max_length=max_length,
-        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        # llama.cpp (and transformers) add BOS for a sentencepiece vocab whose file has no flag
+        add_bos_token=bool(
+            meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama")
+        ),
         add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         clean_up_tokenization_spaces=False,
     )
@@ -428,7 +443,9 @@ def gguf_to_checkpoint(gguf_path: Path, out_dir: Path, dtype: str = "float32") -
         raise ModelLoadError(f"dtype '{dtype}' is not supported; use one of {', '.join(DTYPES)}")
     dtype = DTYPES[dtype]
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ModelLoadError(f"output dir {out_dir} already exists and is not empty; remove it or pick another")
+        raise ModelLoadError(
+            f"output dir {out_dir} already exists and is not empty; remove it or pick another"
+        )
     reader = _open(gguf_path)
     meta = read_metadata(reader)
     _architecture(meta, gguf_path)
@@ -450,7 +467,12 @@ def gguf_to_checkpoint(gguf_path: Path, out_dir: Path, dtype: str = "float32") -
 
 
 def _write_checkpoint(
-    tmp: Path, gguf_path: Path, reader: Any, meta: dict[str, Any], cfg: dict[str, Any], tensors: dict[str, Any]
+    tmp: Path,
+    gguf_path: Path,
+    reader: Any,
+    meta: dict[str, Any],
+    cfg: dict[str, Any],
+    tensors: dict[str, Any],
 ) -> None:
     from safetensors.torch import save_file
 
@@ -468,6 +490,10 @@ def _chmod_like_umask(root: Path) -> None:
     os.chmod(root, 0o777 & ~umask)
     for p in root.iterdir():
         os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
+
+
+def _one_line(e: BaseException, limit: int = 200) -> str:
+    return " ".join(str(e).split())[:limit]
 
 
 def _write_json(path: Path, obj: Any) -> None:

@@ -12,7 +12,14 @@ import torch
 from firstlight.models import hub
 from firstlight.models.generate import generate_tokens
 from firstlight.models.loader import load_model
-from tests.models.parity import FP32_REL_TOL, hf_greedy, hf_reference, incremental_error, logit_errors, our_greedy
+from tests.models.parity import (
+    FP32_REL_TOL,
+    hf_greedy,
+    hf_reference,
+    incremental_error,
+    logit_errors,
+    our_greedy,
+)
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 

@@ -83,3 +83,22 @@ def test_cli_bad_model_path_is_one_line_error(tmp_path):
     assert res.returncode != 0
     assert "Traceback" not in res.stderr
     assert "missing" in res.stderr and len(res.stderr.strip().splitlines()) <= 2
+
+
+def test_cli_pull_unknown_model_is_one_line_error():
+    res = _cli("models", "pull", "no-such-model")
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "known models: gemma3-270m, smollm2-135m" in res.stderr
+
+
+def test_cli_unknown_architecture_lists_supported(tiny_dirs, tmp_path):
+    import json
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_dirs["llama"], ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "model_type": "mamba"}))
+    res = _cli("generate", "--model", str(ckpt), "--prompt", "x")
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "'mamba' is not supported; supported:" in res.stderr

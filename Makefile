@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # Pin the CPU build of torch on this kind of machine; set CONSTRAINTS= to keep your own torch.
 CONSTRAINTS ?= -c constraints/cpu.txt
 
-.PHONY: install demo test test-fast lint bench clean
+.PHONY: install demo test test-slow lint clean
 
 $(STAMP): pyproject.toml constraints/cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,12 +20,14 @@ demo: $(STAMP)
 	$(BIN)/firstlight models pull smollm2-135m
 	$(BIN)/firstlight generate --model smollm2-135m --prompt "The capital of France is" --max-tokens 24 --temperature 0
 
+# Everything but tests marked slow or device; includes parity on the real SmolLM2-135M.
 test: $(STAMP)
 	$(BIN)/firstlight models pull smollm2-135m
-	$(BIN)/python -m pytest -m 'not device' -p no:cacheprovider
+	$(BIN)/python -m pytest -p no:cacheprovider
 
-test-fast: $(STAMP)
-	$(BIN)/python -m pytest
+# The slow tier: real-model checks of every stage (Gemma 3, SmolLM2 on every target, load tests).
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -p no:cacheprovider -m slow
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

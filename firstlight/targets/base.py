@@ -1,0 +1,95 @@
+"""The Target contract: turn a loaded model into something that runs, and say what it did.
+
+The verification harness drives a target through four calls, in this order:
+
+    target = SomeTarget(dtype=torch.bfloat16, **options)   # options: strings from the command line
+    model = target.prepare(model)                          # once; model already cast to target.dtype
+    fn = target.compile(unit, example_inputs, key)         # per unit (whole model, embedding, layer, head)
+    out = fn(*example_inputs)                              # inputs already hold the unit's parameters
+    y = target.run_op(op, args, kwargs, site)              # per ATen op, only when localizing a fault
+    target.report()                                        # what was lowered, what fell back
+
+A *unit* is a `torch.nn.Module` whose forward takes tensors only and returns a tensor or a tuple of
+tensors; its parameters are passed as trailing inputs (so a compiled artifact for one layer serves
+every layer with the same `key`: same structure, different weights). `compile` must return a
+callable accepting inputs of the same shapes and dtypes as `example_inputs`.
+
+`run_op` executes one ATen op of an FX graph in the target's numerics; the default runs it in
+PyTorch eagerly. A target for an emulated chip overrides it to use its own kernels, so that the
+harness can replay a failing layer op by op on the target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from firstlight.errors import FirstlightError
+
+
+class TargetError(FirstlightError):
+    """A target that could not be built, compiled or run: the verification could not run (exit 2)."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class OpSite:
+    """Where an ATen op sits in the model: innermost module path, layer index, n-th call there."""
+
+    module: str
+    layer: int | None
+    nth: int
+    op: str  # e.g. "aten.rsqrt.default"
+
+
+@dataclass
+class TargetReport:
+    name: str
+    dtype: str
+    ops_lowered: dict[str, int] = field(default_factory=dict)
+    ops_fallback: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "ops_lowered": dict(sorted(self.ops_lowered.items())),
+                "ops_fallback": dict(sorted(self.ops_fallback.items())), "notes": list(self.notes)}
+
+
+class Target:
+    """Base class of every target; the defaults run the model eagerly in `dtype`."""
+
+    name: ClassVar[str] = "custom"
+    # True when module forward hooks fire inside compiled units (eager execution), so the harness
+    # can capture attention/MLP outputs inside a layer; compiled targets expose layer outputs only.
+    supports_hooks: ClassVar[bool] = True
+
+    def __init__(self, dtype: torch.dtype = torch.float32, **options: str) -> None:
+        if options:
+            raise TargetError(
+                f"target '{self.name}' takes no options, got: {', '.join(sorted(options))}"
+            )
+        self.dtype = dtype
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def compile(self, unit: nn.Module, example_inputs: Sequence[torch.Tensor], key: str) -> Callable[..., Any]:
+        return unit
+
+    def run_op(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], site: OpSite) -> Any:
+        return op(*args, **kwargs)
+
+    def report(self) -> TargetReport:
+        return TargetReport(name=self.name, dtype=str(self.dtype).removeprefix("torch."))
+
+
+def op_name(op: Any) -> str:
+    """'aten.rsqrt.default' for an OpOverload; the Python name for anything else."""
+    if isinstance(op, torch._ops.OpOverload):
+        return str(op)
+    return getattr(op, "__name__", str(op))

@@ -1,0 +1,201 @@
+"""`faulty`: eager execution with planted faults, to prove the harness finds what it should.
+
+A fault picks ATen op calls by op name (glob: `aten.rsqrt`, `*mm*`), module path (glob on the
+innermost module: `layers.2.input_layernorm`), layer index and n-th call of that op in that
+module's forward, and perturbs them:
+
+    scale      out * value               offset    out + value
+    noise      out + value * std(out) * N(0, 1)
+    dtype      out rounded through `to` (default bfloat16) and back
+    transpose  operand `arg` (default 1) transposed in its last two dims before the op
+    constant   scalar argument `arg` (default: the first number) replaced by `value`
+
+Command line: `--target faulty:op=aten.rsqrt,module=layers.1.input_layernorm,kind=scale,value=2`.
+SDPA is decomposed (see decompose.py) so softmax and mask ops can be hit.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from firstlight.targets.base import OpSite, Target, TargetError, TargetReport, op_name
+from firstlight.targets.decompose import DecomposedSDPA
+
+KINDS = ("scale", "offset", "noise", "dtype", "transpose", "constant")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def layer_of(module_path: str) -> int | None:
+    m = _LAYER.search(module_path)
+    return int(m.group(1)) if m else None
+
+
+@dataclass
+class Fault:
+    kind: str
+    op: str | None = None
+    module: str | None = None
+    layer: int | None = None
+    nth: int | None = None
+    value: float = 2.0
+    arg: int | None = None
+    to: str = "bfloat16"
+    seed: int = 0
+    hits: int = field(default=0, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise TargetError(f"fault kind '{self.kind}' is not one of: {', '.join(KINDS)}")
+        if self.to not in _DTYPES:
+            raise TargetError(f"fault dtype round-trip 'to={self.to}' must be one of: {', '.join(_DTYPES)}")
+        if self.op is None and self.module is None and self.layer is None:
+            raise TargetError("a fault needs at least one of op=, module=, layer= (else it hits every op)")
+
+    def matches(self, site: OpSite) -> bool:
+        if self.op is not None:
+            full = site.op
+            packet = full.rsplit(".", 1)[0] if full.count(".") >= 2 else full
+            short = packet.split(".", 1)[-1]
+            if not any(fnmatch.fnmatchcase(n, self.op) for n in (full, packet, short)):
+                return False
+        if self.module is not None and not fnmatch.fnmatchcase(site.module, self.module):
+            return False
+        if self.layer is not None and site.layer != self.layer:
+            return False
+        return self.nth is None or self.nth == site.nth
+
+    def apply(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.hits += 1
+        if self.kind == "transpose":
+            idx = 1 if self.arg is None else self.arg
+            a = args[idx]
+            if not isinstance(a, torch.Tensor) or a.ndim < 2 or a.shape[-1] != a.shape[-2]:
+                raise TargetError(f"fault transpose: operand {idx} of {op_name(op)} is not square in its last two dims")
+            args = (*args[:idx], a.transpose(-2, -1).contiguous(), *args[idx + 1:])
+            return op(*args, **kwargs)
+        if self.kind == "constant":
+            idx = self.arg
+            if idx is None:
+                idx = next((i for i, a in enumerate(args) if isinstance(a, (int, float)) and not isinstance(a, bool)), None)
+            if idx is None or idx >= len(args):
+                raise TargetError(f"fault constant: {op_name(op)} has no scalar argument to replace")
+            args = (*args[:idx], self.value, *args[idx + 1:])
+            return op(*args, **kwargs)
+        return _map_float(op(*args, **kwargs), self._perturb)
+
+    def _perturb(self, out: torch.Tensor) -> torch.Tensor:
+        if self.kind == "scale":
+            return out * self.value
+        if self.kind == "offset":
+            return out + self.value
+        if self.kind == "dtype":
+            return out.to(_DTYPES[self.to]).to(out.dtype)
+        gen = torch.Generator(device=out.device).manual_seed(self.seed + self.hits)
+        noise = torch.randn(out.shape, generator=gen, device=out.device, dtype=torch.float32)
+        return (out.float() + self.value * out.float().std() * noise).to(out.dtype)
+
+    @classmethod
+    def from_options(cls, options: dict[str, str]) -> Fault:
+        known = {"kind", "op", "module", "layer", "nth", "value", "arg", "to", "seed"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TargetError(f"faulty target: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        if "kind" not in options:
+            raise TargetError(f"faulty target needs kind= (one of: {', '.join(KINDS)})")
+        try:
+            ints = {k: int(options[k]) for k in ("layer", "nth", "arg", "seed") if k in options}
+            value = {"value": float(options["value"])} if "value" in options else {}
+        except ValueError as e:
+            raise TargetError(f"faulty target: bad number in options ({e})") from e
+        strs = {k: options[k] for k in ("op", "module", "to") if k in options}
+        return cls(kind=options["kind"], **ints, **value, **strs)
+
+
+def _map_float(out: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(out, torch.Tensor):
+        return fn(out) if out.is_floating_point() else out
+    if isinstance(out, (tuple, list)):
+        return type(out)(_map_float(o, fn) for o in out)
+    return out
+
+
+class _FaultMode(TorchDispatchMode):
+    def __init__(self, target: FaultyTarget) -> None:
+        super().__init__()
+        self.target = target
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        t = self.target
+        path = t._stack[-1] if t._stack else ""
+        name = op_name(func)
+        key = (path, name)
+        nth = t._counts[key]
+        t._counts[key] = nth + 1
+        return t.run_op(func, args, kwargs, OpSite(module=path, layer=layer_of(path), nth=nth, op=name))
+
+
+class FaultyTarget(Target):
+    name = "faulty"
+
+    def __init__(self, dtype: torch.dtype = torch.float32, faults: Sequence[Fault] | None = None, **options: str) -> None:
+        self.dtype = dtype
+        self.faults = list(faults or [])
+        if options:
+            self.faults.append(Fault.from_options(options))
+        if not self.faults:
+            raise TargetError("faulty target needs a fault, e.g. faulty:op=aten.rsqrt,layer=1,kind=scale,value=2")
+        self._stack: list[str] = []
+        self._counts: dict[tuple[str, str], int] = defaultdict(int)
+        self._hooks: list[Any] = []
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        for path, module in model.named_modules():
+            self._hooks.append(module.register_forward_pre_hook(self._enter(path)))
+            self._hooks.append(module.register_forward_hook(self._leave))
+        return model
+
+    def _enter(self, path: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._stack.append(path)
+            for key in [k for k in self._counts if k[0] == path]:
+                del self._counts[key]
+
+        return hook
+
+    def _leave(self, module: nn.Module, args: Any, out: Any) -> None:
+        if self._stack:
+            self._stack.pop()
+
+    def compile(self, unit: nn.Module, example_inputs: Sequence[torch.Tensor], key: str) -> Callable[..., Any]:
+        def run(*inputs: torch.Tensor) -> Any:
+            self._stack.clear()
+            self._counts.clear()
+            with DecomposedSDPA(), _FaultMode(self):
+                return unit(*inputs)
+
+        return run
+
+    def run_op(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], site: OpSite) -> Any:
+        for fault in self.faults:
+            if fault.matches(site):
+                return fault.apply(op, args, kwargs)
+        return op(*args, **kwargs)
+
+    def report(self) -> TargetReport:
+        rep = super().report()
+        for f in self.faults:
+            rep.notes.append(
+                f"fault {f.kind} op={f.op} module={f.module} layer={f.layer} nth={f.nth} value={f.value}: {f.hits} hit(s)"
+            )
+        return rep

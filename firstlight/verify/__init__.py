@@ -1,0 +1,1 @@
+"""Verification: capture, compare, logit parity, localization, reports."""

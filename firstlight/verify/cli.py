@@ -1,0 +1,83 @@
+"""`firstlight verify`: exit 0 = matches the reference, 1 = mismatch found, 2 = could not run."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+
+def verify(
+    model: str = typer.Option("smollm2-135m", help="Model name or checkpoint dir."),
+    target: str = typer.Option("eager", help="eager | inductor | onnxruntime | faulty:k=v,... | path/to/file.py:ClassName"),
+    dtype: str = typer.Option("float32", help="Target dtype: float32, bfloat16, float16."),
+    prompt_file: Path | None = typer.Option(None, help="Text file with the prompt (default: a built-in sentence)."),
+    out: Path | None = typer.Option(None, help="Write result.json and index.html here."),
+    json_out: bool = typer.Option(False, "--json", help="Print result.json to stdout instead of the summary."),
+    new_tokens: int = typer.Option(16, help="Greedy tokens the reference generates (free-running check)."),
+    ppl_tokens: int = typer.Option(256, help="Tokens of the bundled text for perplexity (0: skip)."),
+    tolerance: Path | None = typer.Option(None, help="JSON tolerance overrides (see docs/VERIFY.md)."),
+    threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
+) -> None:
+    """Check a model on a target against the HF reference; localize the first failing op."""
+    from rich.console import Console
+
+    from firstlight.errors import FirstlightError
+
+    err = Console(stderr=True)
+    try:
+        result = _run(model, target, dtype, prompt_file, new_tokens, ppl_tokens, tolerance, threads)
+    except FirstlightError as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=2) from None
+    from firstlight.verify.report import print_summary, write_verify_report
+
+    data = result.to_dict()
+    if out is not None:
+        write_verify_report(out, data, seed=0)
+    if json_out:
+        sys.stdout.write(json.dumps(data, default=str) + "\n")
+    else:
+        print_summary(data)
+        if out is not None:
+            Console().print(f"report: {out / 'index.html'}", highlight=False)
+    raise typer.Exit(code=0 if result.verdict == "match" else 1)
+
+
+def _run(model: str, target: str, dtype: str, prompt_file: Path | None, new_tokens: int, ppl_tokens: int,
+         tolerance: Path | None, threads: int):  # -> VerifyResult
+    import torch
+
+    from firstlight.data import load_text
+    from firstlight.errors import FirstlightError
+    from firstlight.models.hub import resolve
+    from firstlight.models.loader import load_tokenizer, parse_dtype
+    from firstlight.targets.registry import get_target
+    from firstlight.verify.harness import DEFAULT_PROMPT, VerifyConfig, run_verify
+    from firstlight.verify.tolerance import TolerancePolicy
+
+    if threads:
+        torch.set_num_threads(threads)
+    torch_dtype = parse_dtype(dtype)
+    if prompt_file is not None:
+        if not prompt_file.is_file():
+            raise FirstlightError(f"prompt file '{prompt_file}' not found; give a UTF-8 text file")
+        prompt = prompt_file.read_text(errors="replace")
+        if not prompt.strip():
+            raise FirstlightError(f"prompt file '{prompt_file}' is empty; put at least a sentence in it")
+    else:
+        prompt = DEFAULT_PROMPT
+    tgt = get_target(target, torch_dtype)  # before the model: a bad target fails fast
+    path = resolve(model)
+    tok = load_tokenizer(path)
+    prompt_ids = tok(prompt)["input_ids"]
+    if len(prompt_ids) < 2:
+        raise FirstlightError(f"prompt '{prompt[:40]}' has fewer than 2 tokens; give a longer prompt")
+    policy = TolerancePolicy.for_dtype(torch_dtype)
+    if tolerance is not None:
+        policy = policy.with_file(tolerance)
+    ppl_ids = tok(load_text("hamlet-sample"))["input_ids"] if ppl_tokens else None
+    cfg = VerifyConfig(new_tokens=new_tokens, ppl_tokens=ppl_tokens)
+    return run_verify(path, tgt, target, prompt_ids, cfg, policy, ppl_ids=ppl_ids)

@@ -1,0 +1,325 @@
+"""`run_verify`: reference vs target, boundary by boundary, logits, then the op that breaks it.
+
+    1. reference (HF, fp32): greedy continuation of the prompt; one forward over prompt +
+       continuation with boundary hooks (one fp32 tensor per boundary, not every op)
+    2. target: the whole model compiled once → logits (teacher-forced parity, greedy divergence,
+       perplexity); boundaries in propagate mode (hooks, or a chain of compiled units)
+    3. every unit (embed, each layer, head) run on the target with the *reference* input: the
+       first unit over tolerance is the failing one (isolated, so error inherited from earlier
+       layers is not blamed on it)
+    4. that one unit replayed op by op (oplevel.py) → culprit ATen op, module path, source line
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from firstlight.models.config import ModelConfig
+from firstlight.models.hf_names import build_state_dict, hf_module_name
+from firstlight.models.loader import build_model, load_config, load_model
+from firstlight.targets.base import Target, TargetError
+from firstlight.verify import units as U
+from firstlight.verify.metrics import compare
+from firstlight.verify.oplevel import culprit, replay
+from firstlight.verify.parity import ppl_token_count, teacher_forced
+from firstlight.verify.tolerance import TolerancePolicy
+
+DEFAULT_PROMPT = "The capital of France is Paris. The quick brown fox jumps over the lazy dog. To be, or not to be,"
+
+
+@dataclass
+class VerifyConfig:
+    new_tokens: int = 16  # reference greedy continuation (the free-running check)
+    top_k: int = 5
+    ppl_tokens: int = 256  # 0 disables perplexity
+    ppl_window: int = 128
+    ppl_stride: int = 64
+    seed: int = 0
+
+
+@dataclass
+class VerifyResult:
+    verdict: str  # "match" | "mismatch"
+    model: str
+    target: str
+    dtype: str
+    tokens: list[int]
+    prompt_len: int
+    boundaries: list[dict[str, Any]]  # per boundary: name, isolated + propagated metrics
+    first_failing: dict[str, Any] | None
+    ops: list[dict[str, Any]]
+    culprit: dict[str, Any] | None
+    parity: dict[str, Any]
+    perplexity: dict[str, Any] | None
+    target_report: dict[str, Any]
+    tolerance: dict[str, Any]
+    timings_s: dict[str, float]
+    reasons: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    def __call__(self, name: str) -> Any:
+        timer = self
+
+        class _Ctx:
+            def __enter__(self) -> None:
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc: object) -> None:
+                timer.times[name] = timer.times.get(name, 0.0) + time.perf_counter() - self.t0
+
+        return _Ctx()
+
+
+def load_reference(path: str | Path) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def fp32_twin(cfg: ModelConfig, reference: nn.Module) -> nn.Module:
+    """Our model in fp32 with the reference's weights (op-level reference; no second disk read)."""
+    model = build_model(cfg, torch.float32)
+    expected = dict(model.state_dict())
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    hf_state = reference.state_dict()
+    state = build_state_dict(list(expected), hf_state.__getitem__)
+    with torch.no_grad():
+        for name, tensor in state.items():
+            expected[name].copy_(tensor)
+    return model.eval().requires_grad_(False)
+
+
+class _Compiled:
+    """Compiles units through the target (one artifact per key for compiling targets) with errors named."""
+
+    def __init__(self, target: Target, spec: str) -> None:
+        self.target, self.spec = target, spec
+
+    def compile(self, unit: U.Unit, inputs: Sequence[torch.Tensor]) -> Callable[..., Any]:
+        args = (*inputs, *unit.params())
+        try:
+            fn = self.target.compile(unit, args, unit.key)
+        except TargetError:
+            raise
+        except Exception as e:  # the target's own code: every failure means "could not compile"
+            raise TargetError(f"target '{self.spec}' failed to compile unit '{unit.key}': {type(e).__name__}: {e}") from e
+        params = unit.params()
+
+        def run(*xs: torch.Tensor) -> Any:
+            try:
+                return fn(*xs, *params)
+            except TargetError:
+                raise
+            except Exception as e:
+                raise TargetError(f"target '{self.spec}' failed running unit '{unit.key}': {type(e).__name__}: {e}") from e
+
+        return run
+
+
+def _reference_pass(ref: nn.Module, ids: list[int], num_layers: int, mid: str, new_tokens: int) -> tuple[list[int], dict[str, torch.Tensor]]:
+    prompt = torch.tensor([ids])
+    tokens = list(ids)
+    if new_tokens:
+        out = ref.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+        tokens = out[0].tolist()
+    store: dict[str, torch.Tensor] = {}
+    with U.capture(ref, store, hf_module_name, layers=num_layers, mid_norm=mid):
+        store["logits"] = ref(torch.tensor([tokens])).logits.detach().float()
+    return tokens, store
+
+
+@torch.no_grad()
+def run_verify(
+    model_path: str | Path,
+    target: Target,
+    target_spec: str,
+    prompt_ids: list[int] | None = None,
+    config: VerifyConfig | None = None,
+    policy: TolerancePolicy | None = None,
+    ppl_ids: list[int] | None = None,
+    reference: nn.Module | None = None,
+) -> VerifyResult:
+    cfg_v = config or VerifyConfig()
+    policy = policy or TolerancePolicy.for_dtype(target.dtype)
+    timer = _Timer()
+    torch.manual_seed(cfg_v.seed)
+    cfg = load_config(model_path)
+    with timer("load"):
+        ref = reference if reference is not None else load_reference(model_path)
+        tmodel, tok = load_model(model_path, target.dtype, with_tokenizer=prompt_ids is None)
+    if prompt_ids is None:
+        prompt_ids = tok(DEFAULT_PROMPT)["input_ids"]
+    if len(prompt_ids) < 2:
+        raise TargetError("the prompt must have at least 2 tokens")
+    mid = U.mid_norm_name(tmodel.layers[0])
+    num_layers = cfg.num_layers
+    with timer("reference"):
+        tokens, ref_caps = _reference_pass(ref, prompt_ids, num_layers, mid, cfg_v.new_tokens)
+    seq = torch.tensor([tokens])
+    positions = torch.arange(seq.shape[1])[None]
+    masks = tmodel.masks(positions, positions)
+
+    with timer("compile"):
+        try:
+            tmodel = target.prepare(tmodel) or tmodel
+        except TargetError:
+            raise
+        except Exception as e:
+            raise TargetError(f"target '{target_spec}' failed to prepare the model: {type(e).__name__}: {e}") from e
+        comp = _Compiled(target, target_spec)
+        whole = comp.compile(U.logits_unit(tmodel), (seq,))
+        embed_fn = comp.compile(U.embed_unit(tmodel), (seq,))
+        rope_t = tmodel.rope_tables(positions, target.dtype)
+        x0 = ref_caps["embed"].to(target.dtype)
+        layer_fns = []
+        for i in range(num_layers):
+            t = tmodel.layers[i].layer_type
+            layer_fns.append(comp.compile(U.layer_unit(tmodel, i), (x0, *rope_t[t], masks[t])))
+        head_fn = comp.compile(U.head_unit(tmodel), (x0,))
+
+    prop: dict[str, torch.Tensor] = {}
+    with timer("target"):
+        if target.supports_hooks:
+            with U.capture(tmodel, prop, layers=num_layers, mid_norm=mid):
+                prop["logits"] = whole(seq).detach().float()
+        else:
+            prop["logits"] = whole(seq).detach().float()
+            x = embed_fn(seq)
+            prop["embed"] = x.float()
+            for i, fn in enumerate(layer_fns):
+                t = tmodel.layers[i].layer_type
+                x = fn(x, *rope_t[t], masks[t])
+                prop[f"layers.{i}"] = x.float()
+            h, _ = head_fn(x)
+            prop["norm"] = h.float()
+
+    iso: dict[str, torch.Tensor] = {}
+    with timer("isolate"):
+        hooks = U.capture(tmodel, iso, layers=num_layers, mid_norm=mid) if target.supports_hooks else _null()
+        with hooks:
+            iso["embed"] = embed_fn(seq).float()
+            for i, fn in enumerate(layer_fns):
+                t = tmodel.layers[i].layer_type
+                x_in = ref_caps["embed"] if i == 0 else ref_caps[f"layers.{i - 1}"]
+                iso[f"layers.{i}"] = fn(x_in.to(target.dtype), *rope_t[t], masks[t]).float()
+            h, logits = head_fn(ref_caps[f"layers.{num_layers - 1}"].to(target.dtype))
+            iso["norm"], iso["logits"] = h.float(), logits.float()
+            iso["embed"] = embed_fn(seq).float()  # the layer-0 pre-hook does not fire in the embed unit
+
+    boundaries = []
+    for name in U.boundary_names(tmodel, sub_layer=target.supports_hooks):
+        tol = policy.for_tensor(name)
+        row: dict[str, Any] = {"name": name}
+        if name in iso:
+            row["isolated"] = compare(iso[name], ref_caps[name], target.dtype, tol).to_dict()
+        if name in prop:
+            row["propagated"] = compare(prop[name], ref_caps[name], target.dtype, tol).to_dict()
+        boundaries.append(row)
+    # The first boundary over tolerance (sub-layer ones too: a fault a later norm hides is still a
+    # fault), reported as the unit that contains it.
+    bad = next((b["name"] for b in boundaries if "isolated" in b and not b["isolated"]["ok"]), None)
+    failing = None if bad is None else (".".join(bad.split(".")[:2]) if bad.startswith("layers.") else bad)
+
+    with timer("parity"):
+        parity = teacher_forced(ref_caps["logits"][0], prop["logits"][0], tokens, len(prompt_ids), cfg_v.top_k, policy.logits)
+    ppl = None
+    if cfg_v.ppl_tokens and ppl_ids:
+        with timer("perplexity"):
+            ppl = _perplexity(ref, comp, tmodel, ppl_ids, cfg_v, policy)
+
+    ops: list[dict[str, Any]] = []
+    found = None
+    first = None
+    if failing is not None:
+        with timer("localize"):
+            first, ops, found = _localize(failing, tmodel, ref, cfg, ref_caps, seq, positions, masks, target, policy)
+
+    reasons = list(parity.reasons)
+    if failing is not None:
+        reasons.insert(0, f"{bad}: isolated error over tolerance")
+    if ppl is not None and not ppl["ok"]:
+        reasons.append(f"perplexity ratio {ppl['ratio']:.4f} > {policy.logits.max_ppl_ratio}")
+    rep = target.report().to_dict()
+    return VerifyResult(
+        verdict="match" if not reasons else "mismatch",
+        model=str(model_path), target=target_spec, dtype=str(target.dtype).removeprefix("torch."),
+        tokens=tokens, prompt_len=len(prompt_ids), boundaries=boundaries, first_failing=first,
+        ops=ops, culprit=found, parity=parity.to_dict(), perplexity=ppl, target_report=rep,
+        tolerance=policy.to_dict(), timings_s=timer.times, reasons=reasons,
+    )
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _perplexity(ref: nn.Module, comp: _Compiled, tmodel: nn.Module, ids: list[int], cfg_v: VerifyConfig,
+                policy: TolerancePolicy) -> dict[str, Any] | None:
+    from firstlight.eval.ppl import perplexity
+
+    n = ppl_token_count(len(ids), cfg_v.ppl_window, cfg_v.ppl_stride, cfg_v.ppl_tokens)
+    if n == 0:
+        return None
+    ids = ids[:n]
+    window = torch.tensor([ids[: cfg_v.ppl_window]])
+    fn = comp.compile(U.logits_unit(tmodel), (window,))
+    r = perplexity(lambda x: ref(x).logits, ids, cfg_v.ppl_window, cfg_v.ppl_stride)
+    t = perplexity(fn, ids, cfg_v.ppl_window, cfg_v.ppl_stride)
+    ratio = t.perplexity / r.perplexity
+    return {"num_tokens": r.num_tokens, "window": cfg_v.ppl_window, "stride": cfg_v.ppl_stride,
+            "reference": r.perplexity, "target": t.perplexity, "ratio": ratio,
+            "ok": ratio <= policy.logits.max_ppl_ratio}
+
+
+def _localize(failing: str, tmodel: nn.Module, ref: nn.Module, cfg: ModelConfig, ref_caps: dict[str, torch.Tensor],
+              seq: torch.Tensor, positions: torch.Tensor, masks: dict[str, Any], target: Target,
+              policy: TolerancePolicy) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
+    twin = fp32_twin(cfg, ref)
+    n = cfg.num_layers
+    dtype = target.dtype
+    if failing == "embed":
+        unit_t, unit_r = U.embed_unit(tmodel), U.embed_unit(twin)
+        inputs_t = inputs_r = (seq,)
+    elif failing in ("norm", "logits"):
+        unit_t, unit_r = U.head_unit(tmodel), U.head_unit(twin)
+        x = ref_caps[f"layers.{n - 1}"]
+        inputs_t, inputs_r = (x.to(dtype),), (x,)
+    else:
+        i = int(failing.split(".")[1])
+        unit_t, unit_r = U.layer_unit(tmodel, i), U.layer_unit(twin, i)
+        t = tmodel.layers[i].layer_type
+        x = ref_caps["embed"] if i == 0 else ref_caps[f"layers.{i - 1}"]
+        rope_t = tmodel.rope_tables(positions, dtype)[t]
+        rope_r = twin.rope_tables(positions, torch.float32)[t]
+        inputs_t, inputs_r = (x.to(dtype), *rope_t, masks[t]), (x, *rope_r, masks[t])
+    records = replay(unit_t, unit_r, inputs_t, inputs_r, target, policy)
+    first_prop = next((r for r in records if not r.propagated.ok), None)
+    found = culprit(records)
+    first = {"unit": failing, "module": unit_t.path or failing, "num_ops": len(records),
+             "first_propagated_op": first_prop.to_dict() if first_prop else None}
+    if found is None:
+        first["note"] = ("no single op is over tolerance when replayed op by op in the target's numerics: "
+                         "the error comes from how the target compiled the unit (fusion, reordering), not one op")
+    return first, [r.to_dict() for r in records], found.to_dict() if found else None

@@ -1,0 +1,184 @@
+"""Units (the pieces a target compiles) and module-boundary capture on either side.
+
+Boundary names are ours; the HF reference module of each comes from `hf_module_name`:
+
+    embed                  input of layers.0 (Gemma's sqrt(E) scale included)
+    layers.i.self_attn     attention output          layers.i.mlp   MLP output
+    layers.i.resid_mid     residual stream between attention and MLP (input of the MLP's norm)
+    layers.i               layer output (the residual stream after the layer)
+    norm                   final norm output         logits         model output
+
+A unit is embed (ids → x), layers.i ((x, cos, sin, mask) → x) or head (x → (norm, logits)); its
+parameters are trailing inputs (see firstlight/targets/base.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from firstlight.models.kv_cache import NoCache
+
+
+def mid_norm_name(layer: nn.Module) -> str:
+    """The norm whose input is the residual stream between attention and MLP."""
+    return "pre_feedforward_layernorm" if hasattr(layer, "pre_feedforward_layernorm") else "post_attention_layernorm"
+
+
+def boundary_names(model: nn.Module, sub_layer: bool = True) -> list[str]:
+    names = ["embed"]
+    for i in range(len(model.layers)):
+        if sub_layer:
+            names += [f"layers.{i}.self_attn", f"layers.{i}.resid_mid", f"layers.{i}.mlp"]
+        names.append(f"layers.{i}")
+    return names + ["norm", "logits"]
+
+
+def _first(x: Any) -> torch.Tensor:
+    return x[0] if isinstance(x, (tuple, list)) else x
+
+
+def _store(store: dict[str, torch.Tensor], name: str, t: torch.Tensor) -> None:
+    store[name] = t.detach().float().clone()
+
+
+@contextmanager
+def capture(
+    root: nn.Module,
+    store: dict[str, torch.Tensor],
+    resolve: Callable[[str], str] = lambda n: n,
+    layers: int = 0,
+    sub_layer: bool = True,
+    layer_names: tuple[str, ...] = ("self_attn", "mlp"),
+    mid_norm: str = "post_attention_layernorm",
+    inputs_too: bool = False,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Record boundary tensors (fp32 copies) into `store` while the context is open.
+
+    `resolve` maps our module path to the module path in `root` (identity for our model,
+    `hf_module_name` for the HF reference). `inputs_too` also records each layer's input as
+    `layers.i.input` (needed when units run out of order).
+    """
+    handles = []
+
+    def out_hook(name: str) -> Callable[..., None]:
+        return lambda m, args, out: _store(store, name, _first(out))
+
+    def in_hook(name: str) -> Callable[..., None]:
+        def hook(m: nn.Module, args: tuple, kwargs: dict) -> None:
+            _store(store, name, args[0] if args else kwargs["hidden_states"])
+
+        return hook
+
+    try:
+        for i in range(layers):
+            layer = root.get_submodule(resolve(f"layers.{i}"))
+            handles.append(layer.register_forward_hook(out_hook(f"layers.{i}")))
+            if i == 0:
+                handles.append(layer.register_forward_pre_hook(in_hook("embed"), with_kwargs=True))
+            elif inputs_too:
+                handles.append(layer.register_forward_pre_hook(in_hook(f"layers.{i}.input"), with_kwargs=True))
+            if sub_layer:
+                for sub in layer_names:
+                    mod = root.get_submodule(resolve(f"layers.{i}.{sub}"))
+                    handles.append(mod.register_forward_hook(out_hook(f"layers.{i}.{sub}")))
+                mod = root.get_submodule(resolve(f"layers.{i}.{mid_norm}"))
+                handles.append(mod.register_forward_pre_hook(in_hook(f"layers.{i}.resid_mid"), with_kwargs=True))
+        handles.append(root.get_submodule(resolve("norm")).register_forward_hook(out_hook("norm")))
+        yield store
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# ---- adapters: tensor-only forwards over the model's own modules ---------------------------------
+
+class LogitsAdapter(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids)
+
+
+class EmbedAdapter(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        # Gemma scales the embedding by sqrt(E), rounded to the model dtype (firstlight/models/gemma3.py).
+        self.scaled = type(model).__name__ == "Gemma3"
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(ids)
+        if self.scaled:
+            x = x * torch.tensor(self.model.config.hidden_size**0.5, dtype=x.dtype)
+        return x
+
+
+class LayerAdapter(nn.Module):
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        t = self.layer.layer_type
+        return self.layer(x, {t: (cos, sin)}, {t: mask}, NoCache())
+
+
+class HeadAdapter(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.model.norm(x)
+        return h, self.model.compute_logits(h)
+
+
+class Unit(nn.Module):
+    """An adapter with the parameters it uses as trailing forward inputs (torch.func.functional_call)."""
+
+    def __init__(self, adapter: nn.Module, uses: list[nn.Module], path: str, key: str, attr: str) -> None:
+        super().__init__()
+        self.adapter = adapter
+        self.path, self.key, self.attr = path, key, attr  # attr: adapter attribute that maps to `path`
+        wanted = {id(p) for m in uses for p in m.parameters()}
+        self.param_names = [n for n, p in adapter.named_parameters() if id(p) in wanted]
+
+    def params(self) -> list[torch.Tensor]:
+        named = dict(self.adapter.named_parameters())
+        return [named[n] for n in self.param_names]
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        num_inputs = len(args) - len(self.param_names)
+        params = dict(zip(self.param_names, args[num_inputs:], strict=True))
+        return torch.func.functional_call(self.adapter, params, tuple(args[:num_inputs]))
+
+    def model_path(self, adapter_path: str) -> str:
+        """Our module path for a module path relative to the adapter ('layer.mlp' → 'layers.3.mlp')."""
+        if adapter_path == self.attr or adapter_path.startswith(self.attr + "."):
+            rest = adapter_path[len(self.attr):].lstrip(".")
+            return ".".join(p for p in (self.path, rest) if p)
+        return self.path
+
+
+def logits_unit(model: nn.Module) -> Unit:
+    return Unit(LogitsAdapter(model), [model], "", "logits", "model")
+
+
+def embed_unit(model: nn.Module) -> Unit:
+    return Unit(EmbedAdapter(model), [model.embed_tokens], "", "embed", "model")
+
+
+def layer_unit(model: nn.Module, i: int) -> Unit:
+    layer = model.layers[i]
+    return Unit(LayerAdapter(layer), [layer], f"layers.{i}", f"layer:{layer.layer_type}", "layer")
+
+
+def head_unit(model: nn.Module) -> Unit:
+    return Unit(HeadAdapter(model), [model.norm, model.lm_head], "", "head", "model")

@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from firstlight.models.tiny import TINY, write_tiny_checkpoint
+
+FAMILIES = sorted(TINY)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One random-weight HF checkpoint dir per supported family (4 layers)."""
+    root = tmp_path_factory.mktemp("verify_tiny")
+    return {f: write_tiny_checkpoint(root / f, f, seed=3) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def references(tiny_dirs: dict[str, Path]):
+    """HF reference models, loaded once per family on first use."""
+    from firstlight.verify.harness import load_reference
+
+    cache: dict[str, torch.nn.Module] = {}
+
+    def get(family: str) -> torch.nn.Module:
+        if family not in cache:
+            cache[family] = load_reference(tiny_dirs[family])
+        return cache[family]
+
+    return get

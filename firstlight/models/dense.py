@@ -42,26 +42,4 @@ class DecoderLayer(nn.Module):
 
 class DenseDecoder(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        self._init_rope()
-
-    def forward_hidden(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None
-    ) -> torch.Tensor:
-        """input_ids, positions: [B, S] → final-normed hidden states [B, S, E]."""
-        cache = self._cache(cache)
-        x = self.embed_tokens(input_ids)  # x: [B, S, E]
-        key_positions = cache.begin(positions)  # [B, L]
-        rope = self.rope_tables(positions, x.dtype)
-        masks = self.masks(positions, key_positions)
-        for layer in self.layers:
-            x = layer(x, rope, masks, cache)
-        cache.end()
-        return self.norm(x)
+        super().__init__(cfg, DecoderLayer, RMSNorm)

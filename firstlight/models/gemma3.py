@@ -48,28 +48,9 @@ class Gemma3Layer(nn.Module):
 
 class Gemma3(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Gemma3Layer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        self._init_rope()
+        super().__init__(cfg, Gemma3Layer, GemmaRMSNorm)
 
-    def forward_hidden(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None
-    ) -> torch.Tensor:
-        """input_ids, positions: [B, S] → final-normed hidden states [B, S, E]."""
-        cache = self._cache(cache)
-        x = self.embed_tokens(input_ids)  # x: [B, S, E]
-        # The normalizer is rounded to the model dtype first, as the reference does.
-        x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
-        key_positions = cache.begin(positions)  # [B, L]
-        rope = self.rope_tables(positions, x.dtype)
-        masks = self.masks(positions, key_positions)
-        for layer in self.layers:
-            x = layer(x, rope, masks, cache)
-        cache.end()
-        return self.norm(x)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        # Scaled by sqrt(E), the normalizer rounded to the model dtype first, as the reference does.
+        return x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)

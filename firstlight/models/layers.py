@@ -168,14 +168,41 @@ class GatedMLP(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """What every family provides: token ids + positions + cache → hidden states → logits."""
+    """The skeleton every family shares: embed → layers → norm → lm_head.
 
-    config: ModelConfig
+    A family supplies its decoder layer class and norm class, and may override `embed`; all take
+    token ids + positions + a KV cache (see kv_cache.py).
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_cls: type[nn.Module], norm_cls: type[nn.Module]) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(layer_cls(cfg, i) for i in range(cfg.num_layers))
+        self.norm = norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        # Kept in fp32 outside the module's buffers, so casting the model to bf16 leaves them exact.
+        self.inv_freq = {t: rope_inv_freq(cfg.rope[t], cfg.head_dim) for t in sorted(set(cfg.layer_types))}
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [B, S, E]."""
+        return self.embed_tokens(input_ids)
 
     def forward_hidden(
         self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None
     ) -> torch.Tensor:
-        raise NotImplementedError
+        """input_ids, positions: [B, S] → final-normed hidden states [B, S, E]."""
+        cache = NoCache() if cache is None else cache
+        x = self.embed(input_ids)  # x: [B, S, E]
+        key_positions = cache.begin(positions)  # [B, L]
+        rope = self.rope_tables(positions, x.dtype)
+        masks = self.masks(positions, key_positions)
+        for layer in self.layers:
+            x = layer(x, rope, masks, cache)
+        cache.end()
+        return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
@@ -212,12 +239,3 @@ class CausalLM(nn.Module):
             t: attention_mask(positions, key_positions, cfg.sliding_window if t == "sliding_attention" else None)
             for t in self.inv_freq
         }
-
-    def _init_rope(self) -> None:
-        # Kept in fp32 outside the module's buffers, so casting the model to bf16 leaves them exact.
-        cfg = self.config
-        self.inv_freq = {t: rope_inv_freq(cfg.rope[t], cfg.head_dim) for t in sorted(set(cfg.layer_types))}
-
-    @staticmethod
-    def _cache(cache: KVCache | None) -> KVCache:
-        return NoCache() if cache is None else cache

@@ -1,0 +1,106 @@
+"""int8 weight-only, symmetric per output channel (as in gpt-fast / torchao `int8_weight_only`).
+
+    scale[n] = max_k |W[n, k]| / 127
+    Q[n, k]  = clamp(round(W[n, k] / scale[n]), -127, 127)      (int8)
+    y        = (x @ Q^T) * scale + bias
+
+Kernel: `torch.ops.aten._weight_int8pack_mm(x [M, K], Q [N, K] int8, scale [N])` on CPU and CUDA.
+On CPU in torch 2.13 its vectorized path is the bf16 one: fp32 activations take a slow path (about
+20x slower than an fp32 matmul at M=1, measured in benchmarks/quant_speed.py), so by default
+activations enter the kernel in bfloat16 on CPU (`compute_dtype="auto"`); pass
+compute_dtype="float32" for the exact-activation path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from firstlight.engine.quant.base import QuantizedModule, flatten_tokens, resolve_compute_dtype
+from firstlight.engine.quant.registry import QuantFormat, QuantizationError, register_format, unsupported
+
+QMAX = 127.0
+
+
+def quantize_per_channel_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (Q [N, K] int8, scale [N] fp32), symmetric, one scale per row."""
+    w32 = w.detach().float()
+    scale = (w32.abs().amax(dim=1) / QMAX).clamp(min=1e-12)
+    q = torch.round(w32 / scale[:, None]).clamp(-QMAX, QMAX).to(torch.int8)
+    return q, scale
+
+
+class Int8WeightOnlyLinear(QuantizedModule):
+    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype, kernel: str) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.compute_dtype, self.kernel = compute_dtype, kernel
+        q, scale = quantize_per_channel_int8(linear.weight)
+        self.register_buffer("qweight", q)  # [N, K] int8
+        self.register_buffer("scales", scale.to(compute_dtype))  # [N]
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = flatten_tokens(x, self.compute_dtype)  # [M, K]
+        y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)  # [M, N]
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales.float()[:, None]
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, int8 per-channel, {self.kernel}"
+
+
+class Int8Embedding(QuantizedModule):
+    """nn.Embedding with int8 rows and one scale per row; a lookup dequantizes only the rows it reads.
+
+    Shares Q and scale with a tied int8 lm_head (same per-row layout), so tying still saves memory.
+    """
+
+    kernel = "int8 row gather + dequantize"
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("qweight", qweight)  # [V, E] int8
+        self.register_buffer("scales", scales)  # [V]
+        self.out_dtype = out_dtype
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding) -> Int8Embedding:
+        q, scale = quantize_per_channel_int8(emb.weight)
+        return cls(q, scale, emb.weight.dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(ids, self.qweight).to(torch.float32)  # [..., E]
+        return (rows * F.embedding(ids, self.scales[:, None]).float()).to(self.out_dtype)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales.float()[:, None]
+
+
+@register_format
+class Int8WeightOnly(QuantFormat):
+    name = "int8"
+    summary = "int8 weights, symmetric per output channel; activations unquantized (aten._weight_int8pack_mm)"
+
+    def __init__(self, compute_dtype: str = "auto", **opts: Any) -> None:
+        super().__init__(**opts)
+        self.compute_dtype = compute_dtype
+
+    def kernel_path(self, device: torch.device, dtype: torch.dtype) -> str:
+        cdt = resolve_compute_dtype(self.compute_dtype, device, dtype, torch.bfloat16)
+        if device.type not in ("cpu", "cuda"):
+            raise unsupported(self.name, device, dtype, "aten._weight_int8pack_mm has CPU and CUDA kernels only")
+        return f"aten._weight_int8pack_mm ({device.type}, {str(cdt).removeprefix('torch.')} activations)"
+
+    def quantize_linear(self, linear: nn.Linear) -> nn.Module:
+        device, dtype = linear.weight.device, linear.weight.dtype
+        cdt = resolve_compute_dtype(self.compute_dtype, device, dtype, torch.bfloat16)
+        if linear.weight.ndim != 2:
+            raise QuantizationError(f"int8: expected a 2-D weight, got {tuple(linear.weight.shape)}")
+        return Int8WeightOnlyLinear(linear, cdt, self.kernel_path(device, dtype))

@@ -1,0 +1,112 @@
+"""`firstlight eval ppl|kl`: perplexity of a model (optionally quantized) on an offline text, its
+ratio to the unquantized model, and the mean KL divergence of the quantized model from it."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(help="Quality: perplexity and KL divergence against a reference.", no_args_is_help=True)
+
+MODEL = typer.Option("smollm2-135m", help="Model name (`firstlight models list`) or checkpoint dir.")
+CORPUS = typer.Option("hamlet-sample", help="hamlet-sample, shakespeare, python-stdlib or a UTF-8 text file.")
+MAX_TOKENS = typer.Option(4096, min=2, help="Score the first N tokens of the corpus.")
+WINDOW = typer.Option(512, min=2, help="Tokens per forward pass.")
+STRIDE = typer.Option(256, min=1, help="New tokens scored per window after the first (context = window - stride).")
+DTYPE = typer.Option("float32", help="Weights' dtype before quantization: float32, bfloat16 or float16.")
+THREADS = typer.Option(0, help="torch threads (0 = torch's default).")
+GROUP_SIZE = typer.Option(32, help="int4 only: input channels per scale (32, 64, 128, 256).")
+SKIP_LM_HEAD = typer.Option(False, help="Keep the output projection unquantized.")
+JSON_OUT = typer.Option(False, "--json", help="Print one JSON object instead of a table.")
+
+
+def _formats(quantization: str) -> list[str]:
+    from firstlight.engine.quant import list_formats
+
+    names = [q.strip() for q in quantization.split(",") if q.strip()]
+    if names == ["all"]:
+        return list(list_formats())
+    return [n for n in names if n != "none"]
+
+
+def _run(model: str, quantization: str, corpus: str, max_tokens: int, window: int, stride: int, dtype: str,
+         threads: int, group_size: int, skip_lm_head: bool, with_kl: bool, as_json: bool) -> None:
+    import torch
+
+    from firstlight.engine.quant import get_format
+    from firstlight.engine.quant.quality import corpus_ids, evaluate_formats
+    from firstlight.errors import FirstlightError
+    from firstlight.models import hub
+    from firstlight.models.loader import load_model
+
+    if not 1 <= stride < window:
+        raise FirstlightError(f"--stride {stride} must be in 1..{window - 1} (below --window {window})")
+    if threads:
+        torch.set_num_threads(threads)
+    formats = _formats(quantization)
+    for f in formats:  # fail on a bad format before loading anything
+        get_format(f, **({"group_size": group_size} if f == "int4" else {}))
+    path = hub.resolve(model)
+    net, tokenizer = load_model(path, dtype=dtype)
+    ids = corpus_ids(tokenizer, corpus, max_tokens)
+    opts = {"int4": {"group_size": group_size}}
+    opts = {f: {**opts.get(f, {}), "skip_lm_head": skip_lm_head} for f in formats}
+    base, results = evaluate_formats(net, ids, formats, window=window, stride=stride, with_kl=with_kl, quant_opts=opts)
+    rows = [base, *results]
+    if as_json:
+        print(json.dumps({"model": str(path), "corpus": corpus, "dtype": dtype, "window": window, "stride": stride,
+                          "threads": torch.get_num_threads(), "results": [r.to_dict() for r in rows]}, indent=2))
+        return
+    table = Table(title=f"{path.name} on {corpus}: {base.num_tokens} tokens scored, window {window}, stride {stride}")
+    for col in ("quantization", "perplexity", "ratio", "goal", "mean KL (nats)", "weights MiB", "kernel"):
+        table.add_column(col)
+    for r in rows:
+        goal = "" if r.goal is None else f"<= {r.goal} " + ("[green]ok[/]" if r.passed else "[red]missed[/]")
+        kl = "" if r.format == "none" or not with_kl else f"{r.mean_kl:.5f}"
+        table.add_row(r.format if r.format != "none" else f"none ({dtype})", f"{r.perplexity:.4f}",
+                      f"{r.ppl_ratio:.5f}", goal, kl, f"{r.weight_bytes / 2**20:.1f}", r.kernel)
+    Console().print(table)
+
+
+@app.command()
+def ppl(
+    model: str = MODEL,
+    quantization: str = typer.Option("none", help="none, int8, int4, fp8, a comma list, or 'all'."),
+    corpus: str = CORPUS,
+    max_tokens: int = MAX_TOKENS,
+    window: int = WINDOW,
+    stride: int = STRIDE,
+    dtype: str = DTYPE,
+    threads: int = THREADS,
+    group_size: int = GROUP_SIZE,
+    skip_lm_head: bool = SKIP_LM_HEAD,
+    kl: bool = typer.Option(True, help="Also compute mean KL vs the unquantized model."),
+    as_json: bool = JSON_OUT,
+) -> None:
+    """Perplexity on an offline text; with --quantization, also the ratio (and KL) vs unquantized."""
+    _run(model, quantization, corpus, max_tokens, window, stride, dtype, threads, group_size, skip_lm_head, kl, as_json)
+
+
+@app.command("kl")
+def kl_cmd(
+    model: str = MODEL,
+    quantization: str = typer.Option(..., help="int8, int4, fp8, a comma list, or 'all'."),
+    corpus: str = CORPUS,
+    max_tokens: int = MAX_TOKENS,
+    window: int = WINDOW,
+    stride: int = STRIDE,
+    dtype: str = DTYPE,
+    threads: int = THREADS,
+    group_size: int = GROUP_SIZE,
+    skip_lm_head: bool = SKIP_LM_HEAD,
+    as_json: bool = JSON_OUT,
+) -> None:
+    """Mean KL(unquantized || quantized) per token, with both perplexities and their ratio."""
+    from firstlight.errors import FirstlightError
+
+    if not _formats(quantization):
+        raise FirstlightError("--quantization must name a format (int8, int4, fp8 or 'all'), not 'none'")
+    _run(model, quantization, corpus, max_tokens, window, stride, dtype, threads, group_size, skip_lm_head, True, as_json)

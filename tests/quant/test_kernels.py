@@ -1,0 +1,134 @@
+"""Each format's matmul against fp32: the packed kernels equal a dequantize-then-matmul reference
+(same numbers, up to the kernel's output rounding), and the quantization error stays within the
+bound the format's step size implies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from firstlight.engine.quant import get_format
+from firstlight.engine.quant.fp8 import FP8_MAX, quantize_fp8
+from firstlight.engine.quant.int4 import dequantize_groupwise_int4, quantize_groupwise_int4
+from firstlight.engine.quant.int8 import quantize_per_channel_int8
+
+
+def _linear(n: int, k: int, bias: bool = True, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias).requires_grad_(False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k) / k**0.5)
+        lin.weight[0, 0] = 3.0  # an outlier, so per-channel scales differ
+    return lin
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.bfloat16().float()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("compute_dtype", ["bfloat16", "float32"])
+def test_int8_kernel_equals_dequantized_reference(compute_dtype):
+    lin = _linear(96, 64)
+    q = get_format("int8", compute_dtype=compute_dtype).quantize_linear(lin)
+    x = torch.randn(2, 5, 64)
+    codes, scale = quantize_per_channel_int8(lin.weight)
+    assert torch.equal(q.qweight, codes)
+    # Reference: the same activations and scales (in the compute dtype), an fp32 matmul.
+    cast = _bf16 if compute_dtype == "bfloat16" else (lambda t: t)
+    ref = cast(x) @ (codes.float() * cast(scale)[:, None]).t() + lin.bias
+    out = q(x)
+    assert out.shape == (2, 5, 96) and out.dtype == torch.float32
+    tol = 2e-2 if compute_dtype == "bfloat16" else 1e-5  # bf16 output rounding vs none
+    assert torch.allclose(out, ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+def test_int8_error_vs_fp32_within_step_bound():
+    lin = _linear(128, 256)
+    q = get_format("int8", compute_dtype="float32").quantize_linear(lin)
+    w_err = (q.dequantized_weight() - lin.weight).abs()
+    step = lin.weight.abs().amax(1, keepdim=True) / 127
+    assert bool((w_err <= step / 2 + 1e-7).all())  # round to nearest: at most half a step
+    x = torch.randn(16, 256)
+    # |y - y_ref|[m, n] <= sum_k |x[m, k]| * step[n] / 2, the worst case of round-to-nearest.
+    bound = x.abs() @ (step / 2).expand_as(lin.weight).t() + 1e-5
+    assert bool(((q(x) - lin(x)).abs() <= bound).all())
+    assert _rel(q(x), lin(x)) < 0.02
+
+
+def test_int4_kernel_equals_dequantized_reference():
+    lin = _linear(64, 128)
+    q = get_format("int4", group_size=32, clip_search=True).quantize_linear(lin)
+    codes, scale, zero = quantize_groupwise_int4(lin.weight, 32, clip_search=True)
+    assert int(codes.min()) >= 0 and int(codes.max()) <= 15
+    w_ref = dequantize_groupwise_int4(codes, _bf16(scale), _bf16(zero), 32)  # scales stored in bf16
+    x = torch.randn(3, 7, 128)
+    ref = _bf16(x) @ w_ref.t() + lin.bias
+    out = q(x)
+    assert out.shape == (3, 7, 64)
+    assert torch.allclose(out, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    # The kernel's own view of the weight (probed with the identity) is the reference weight.
+    assert torch.allclose(q.dequantized_weight(), w_ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_int4_error_vs_fp32_within_step_bound(group_size):
+    lin = _linear(64, 256)
+    codes, scale, zero = quantize_groupwise_int4(lin.weight, group_size)
+    w = dequantize_groupwise_int4(codes, scale, zero, group_size)
+    step = scale.t().repeat_interleave(group_size, dim=1)  # [N, K]
+    assert bool(((w - lin.weight).abs() <= step / 2 + 1e-6).all())
+    q = get_format("int4", group_size=group_size, compute_dtype="float32", clip_search=False).quantize_linear(lin)
+    x = torch.randn(8, 256)
+    bound = x.abs() @ (step / 2).t() + 1e-4
+    assert bool(((q(x) - lin(x)).abs() <= bound).all())
+    assert _rel(q(x), lin(x)) < 0.15  # 4 bits: ~ 1/15 of each group's range per weight
+
+
+def test_int4_clip_search_never_increases_group_error():
+    lin = _linear(64, 256)
+    errs = []
+    for clip in (False, True):
+        codes, scale, zero = quantize_groupwise_int4(lin.weight, 32, clip_search=clip)
+        w = dequantize_groupwise_int4(codes, scale, zero, 32)
+        errs.append(((w - lin.weight) ** 2).reshape(64, 8, 32).sum(-1))  # per group
+    assert bool((errs[1] <= errs[0] + 1e-9).all()) and errs[1].sum() < errs[0].sum()
+
+
+def test_fp8_round_trip_scaling_and_clamping():
+    x = torch.tensor([[0.0, 1e-3, -2.5, 1000.0], [5.0, -5.0, 0.5, 0.25]])
+    x8, scale = quantize_fp8(x, per_row=True)
+    assert x8.dtype == torch.float8_e4m3fn and scale.shape == (2, 1)
+    back = x8.float() * scale
+    assert torch.isfinite(back).all()
+    assert torch.allclose(back.abs().amax(1), x.abs().amax(1))  # the row max maps to 448 exactly
+    assert bool(((back - x).abs() <= x.abs() * 2**-4 + scale * 2**-9).all())  # 3 mantissa bits: half-ulp 1/16
+    # Per-tensor: one scale; values beyond the scale's range are clamped, never NaN.
+    x8t, st = quantize_fp8(x, per_row=False)
+    assert st.numel() == 1 and float(x8t.float().abs().max()) == FP8_MAX
+
+
+@pytest.mark.parametrize("weight_scaling,act_scaling", [("channel", "token"), ("tensor", "tensor"), ("channel", "tensor")])
+def test_fp8_emulation_and_scaled_mm_agree_and_bound_error(weight_scaling, act_scaling):
+    lin = _linear(48, 64)
+    emu = get_format("fp8", weight_scaling=weight_scaling, act_scaling=act_scaling).quantize_linear(lin)
+    smm = get_format("fp8", weight_scaling=weight_scaling, act_scaling=act_scaling, kernel="scaled_mm").quantize_linear(lin)
+    x = torch.randn(4, 64)
+    # Reference: dequantize both operands explicitly, fp32 matmul.
+    x8, sx = quantize_fp8(x, per_row=act_scaling == "token")
+    ref = (x8.float() * sx) @ emu.dequantized_weight().t() + lin.bias
+    assert torch.allclose(emu(x), ref, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(smm(x), ref, rtol=1e-4, atol=1e-4)
+    assert _rel(emu(x), lin(x)) < 0.06  # two E4M3 roundings of ~3% worst case each
+
+
+def test_formats_keep_leading_dims_and_no_bias():
+    lin = _linear(64, 64, bias=False)
+    x = torch.randn(2, 3, 64)
+    for name in ("int8", "int4", "fp8"):
+        out = get_format(name).quantize_linear(lin)(x)
+        assert out.shape == (2, 3, 64) and torch.isfinite(out).all()

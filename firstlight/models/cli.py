@@ -63,6 +63,7 @@ def generate(
     seed: int = typer.Option(0, help="Sampling seed."),
     chat: bool = typer.Option(False, help="Apply the tokenizer's chat template to the prompt."),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    quantization: str = typer.Option("none", help="Weight quantization: none, int8, int4, fp8."),
     threads: int = typer.Option(0, help="torch threads (0 = torch's default)."),
 ) -> None:
     """Generate a completion with our own implementation and stream it to stdout."""
@@ -76,6 +77,11 @@ def generate(
         torch.set_num_threads(threads)
     path = hub.resolve(model, progress=lambda msg: err.print(f"[dim]{msg}[/]"))
     net, tokenizer = load_model(path, dtype=dtype)
+    if quantization != "none":
+        # A CLI-level composition: the model library itself never imports the engine.
+        from firstlight.engine.quant import apply_quantization
+
+        err.print(f"[dim]{apply_quantization(net, quantization).summary()}[/]")
     if chat:
         if not tokenizer.chat_template:
             raise typer.BadParameter(f"{path} has no chat template; drop --chat", param_hint="--chat")

@@ -105,7 +105,7 @@ def attention_mask(
     if window is not None:
         allowed &= (q - k) < window
     allowed |= q < 0
-    if q_pos.shape[1] == 1 and bool(allowed.all()):
+    if q_pos.shape[1] == 1 and not torch.compiler.is_compiling() and bool(allowed.all()):
         return None  # decode with nothing masked: let SDPA take its unmasked path
     return allowed.unsqueeze(1)
 

@@ -1,0 +1,1 @@
+"""The serving engine: scheduler, KV-cache blocks, runner, sampler, server."""

@@ -1,0 +1,159 @@
+"""AsyncLLM: the engine behind an asyncio API that streams, for the server.
+
+The engine loop is one asyncio task that runs `LLMEngine.step()` in a worker thread (so the event
+loop keeps serving HTTP while the model computes) and routes outputs to per-request queues.
+New requests and aborts are applied between steps, on the loop thread, so the engine is only
+ever touched by one thread at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from firstlight.engine.engine import LLMEngine, RequestOutput
+from firstlight.engine.request import Request, SamplingParams
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._pending_aborts: set[str] = set()
+        self._pending_adds: list[Request] = []
+        self._pending_calls: list[tuple[Callable[[], Any], asyncio.Future[Any]]] = []
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._stepping = False
+        self._next_id = 0
+        self.errored: BaseException | None = None
+
+    def start(self) -> None:
+        """Start the engine loop on the running event loop (idempotent)."""
+        if self._loop_task is None or self._loop_task.done():
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._loop_task
+            self._loop_task = None
+
+    async def _run(self) -> None:
+        assert self._wakeup is not None
+        while True:
+            self._apply_pending()
+            if not self.engine.has_unfinished() and not self._pending_adds and not self._pending_calls:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            self._stepping = True
+            try:
+                outputs = await asyncio.to_thread(self.engine.step)
+            except Exception as e:  # a model failure ends every request with the error
+                self.errored = e
+                for q in self._queues.values():
+                    q.put_nowait(e)
+                self._queues.clear()
+                raise
+            finally:
+                self._stepping = False
+            for out in outputs:
+                q = self._queues.get(out.request_id)
+                if q is not None:
+                    q.put_nowait(out)
+                    if out.finished:
+                        del self._queues[out.request_id]
+            await asyncio.sleep(0)  # let handlers run between steps
+
+    def _apply_pending(self) -> None:
+        calls, self._pending_calls = self._pending_calls, []
+        for fn, fut in calls:
+            try:
+                fut.set_result(fn())
+            except Exception as e:
+                fut.set_exception(e)
+        adds, self._pending_adds = self._pending_adds, []
+        for req in adds:
+            if req.request_id in self._pending_aborts:
+                self._pending_aborts.discard(req.request_id)
+                continue
+            try:
+                self.engine.add_request(req)
+            except Exception as e:  # e.g. a duplicate id: fail that request only
+                q = self._queues.pop(req.request_id, None)
+                if q is not None:
+                    q.put_nowait(e)
+        if self._pending_aborts:
+            ids = list(self._pending_aborts)
+            self._pending_aborts.clear()
+            self.engine.abort_request(ids)
+            for rid in ids:
+                self._queues.pop(rid, None)
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        """Queue a request (raises FirstlightError for a bad one); returns its id.
+
+        Called on the loop thread while a step may be running in the worker: the request is
+        validated now and handed to the scheduler between steps (see `_run`).
+        """
+        if self.errored is not None:
+            raise RuntimeError(f"engine failed earlier: {self.errored}")
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        req = self.engine.make_request(prompt, params, request_id)
+        self._queues[request_id] = asyncio.Queue()
+        self._pending_adds.append(req)
+        self.start()
+        assert self._wakeup is not None
+        self._wakeup.set()
+        return request_id
+
+    async def call_between_steps(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the engine when no step is in flight (e.g. resetting the prefix cache)."""
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending_calls.append((fn, fut))
+        self.start()
+        assert self._wakeup is not None
+        self._wakeup.set()
+        return await fut
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; applied before the next step. Its blocks are freed then."""
+        self._queues.pop(request_id, None)
+        self._pending_aborts.add(request_id)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Outputs of a request as they come; aborts it if the consumer stops early."""
+        q = self._queues.get(request_id)
+        if q is None:
+            return
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise RuntimeError(f"engine error: {item}") from item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        rid = self.add_request(prompt, params, request_id)
+        async for out in self.stream(rid):
+            yield out

@@ -1,0 +1,50 @@
+"""`firstlight serve`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def serve(
+    model: str = typer.Option(..., help="Model name (see `firstlight models list`) or checkpoint dir."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind."),
+    port: int = typer.Option(8000, help="Port to bind."),
+    trace: Path | None = typer.Option(None, help="Write every engine step to this JSONL trace file."),
+    dtype: str = typer.Option("float32", help="Weight and KV-cache dtype: float32, bfloat16, float16."),
+    served_model_name: str | None = typer.Option(None, help="Name clients use in 'model' (default: --model)."),
+    block_size: int = typer.Option(16, help="Tokens per KV-cache block."),
+    kv_cache_gib: float = typer.Option(1.0, help="Memory for the KV cache, GiB."),
+    max_num_seqs: int = typer.Option(64, help="Most requests running at once."),
+    max_num_batched_tokens: int = typer.Option(2048, help="Most tokens computed per step (chunked prefill)."),
+    max_model_len: int | None = typer.Option(None, help="Context length (default: the model's)."),
+    no_prefix_caching: bool = typer.Option(False, help="Disable prefix caching."),
+    compile_decode: bool = typer.Option(False, help="torch.compile the decode forward."),
+    threads: int | None = typer.Option(None, help="torch intra-op threads (default: torch's)."),
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API."""
+    import torch
+
+    from firstlight.engine.server import serve as run_server
+    from firstlight.errors import FirstlightError
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if kv_cache_gib <= 0:
+        raise FirstlightError(f"--kv-cache-gib must be > 0, got {kv_cache_gib}")
+    run_server(
+        model,
+        host=host,
+        port=port,
+        trace=str(trace) if trace else None,
+        dtype=dtype,
+        served_name=served_model_name,
+        block_size=block_size,
+        kv_cache_bytes=int(kv_cache_gib * (1 << 30)),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_prefix_caching=not no_prefix_caching,
+        compile_decode=compile_decode,
+    )

@@ -1,0 +1,310 @@
+"""The engine: one `step()` = schedule, execute, sample, update (then detokenize and report).
+
+`LLMEngine` is synchronous and single-threaded; `AsyncLLM` (async_engine.py) drives it from a
+background thread for the server. Requests come in as text or token ids; outputs go out as
+`RequestOutput` deltas, one per request that produced tokens or finished in the step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from firstlight.core.trace import StepRecord, append_step, write_header
+from firstlight.engine.detokenizer import IncrementalDetokenizer
+from firstlight.engine.kv_manager import KVCacheManager
+from firstlight.engine.metrics import EngineMetrics
+from firstlight.engine.request import Request, RequestStatus, SamplingParams
+from firstlight.engine.runner import ModelRunner
+from firstlight.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
+from firstlight.engine.scheduler import Scheduler, SchedulerConfig
+from firstlight.errors import FirstlightError
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings, checked on construction. `num_blocks=None` sizes the cache from
+    `kv_cache_bytes`; `max_model_len=None` takes the model's max_position_embeddings."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int = 1 << 30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    compile_decode: bool = False
+    seed: int = 0
+    trace_path: str | Path | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise FirstlightError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise FirstlightError(f"EngineConfig.{name} must be >= 1 (or None), got {value}")
+        if self.trace_path is not None:
+            self.trace_path = Path(self.trace_path)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
+
+
+@dataclass
+class RequestOutput:
+    """What one request produced in a step (deltas) and so far (totals)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    new_token_ids: list[int]
+    output_token_ids: list[int]
+    delta_text: str
+    text: str
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # all so far
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class _RequestState:
+    """Engine-side state the scheduler does not need: text, logprobs, timing."""
+
+    request: Request
+    detok: IncrementalDetokenizer | None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_sent_tokens: int = 0
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+
+
+class LLMEngine:
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        mcfg = model.config
+        self.eos_token_ids = tuple(mcfg.eos_token_ids)
+        max_model_len = config.max_model_len or mcfg.max_position_embeddings
+        if max_model_len > mcfg.max_position_embeddings:
+            raise FirstlightError(
+                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                f"{mcfg.max_position_embeddings}; lower it"
+            )
+        num_blocks = config.num_blocks or max(
+            1, config.kv_cache_bytes // ModelRunner.kv_bytes_per_block(model, config.block_size)
+        )
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=max_model_len,
+            ),
+            self.kv,
+        )
+        self.max_model_len = self.scheduler.max_model_len
+        device = next(model.parameters()).device
+        self.runner = ModelRunner(model, num_blocks, config.block_size, device, config.compile_decode)
+        self.sampler = Sampler(config.seed)
+        self.metrics = EngineMetrics()
+        self._states: dict[str, _RequestState] = {}
+        self._next_id = 0
+        self._t0 = time.perf_counter()
+        self._trace_file = None
+        if config.trace_path is not None:
+            self._trace_file = open(config.trace_path, "w")  # noqa: SIM115 - closed in close()
+            meta = {"engine": "firstlight", "config": config.as_dict(), "model": type(model).__name__,
+                    "num_blocks": num_blocks, "threads": torch.get_num_threads()}
+            write_header(self._trace_file, meta)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise FirstlightError("a text prompt needs a tokenizer; pass token ids or load one")
+            return list(self.tokenizer.encode(prompt))
+        return list(prompt)
+
+    def make_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> Request:
+        """Tokenize and validate; raises FirstlightError for a bad request. Touches no engine state."""
+        params = params or SamplingParams()
+        ids = self.tokenize(prompt)
+        vocab = self.model.config.vocab_size
+        if not ids:
+            raise FirstlightError("the prompt is empty; give at least one token")
+        if any(t < 0 or t >= vocab for t in ids):
+            raise FirstlightError(f"prompt token ids must lie in [0, {vocab}); got an out-of-range id")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise FirstlightError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context length "
+                f"{self.max_model_len}; shorten the prompt or lower max_tokens"
+            )
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        return Request(request_id, ids, params, self.eos_token_ids, arrival_s=time.perf_counter())
+
+    def add_request(
+        self, prompt: str | list[int] | Request, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> Request:
+        """Validate (unless given a Request from `make_request`) and queue a request."""
+        req = prompt if isinstance(prompt, Request) else self.make_request(prompt, params, request_id)
+        params = req.sampling_params
+        self.scheduler.add_request(req)
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                req.prompt_token_ids,
+                params.skip_special_tokens,
+                params.stop,
+                params.include_stop_str_in_output,
+            )
+        state = _RequestState(req, detok)
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]  # the first prompt token has no logprob
+        self._states[req.request_id] = state
+        self.metrics.on_arrival(req.num_prompt_tokens)
+        return req
+
+    def abort_request(self, request_ids: list[str] | str) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.scheduler.abort_requests(ids)
+        self._release_finished()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv.reset_prefix_cache()
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t_start = time.perf_counter()
+        batch = self.scheduler.schedule()
+        t_sched = time.perf_counter()
+        if not batch.seqs:
+            return self._release_finished()
+        requests = self.scheduler.requests
+        exec_out = self.runner.execute(batch, requests)
+        t_exec = time.perf_counter()
+
+        sampled: dict[str, list[int]] = {}
+        new_lps: dict[str, TokenLogprobs] = {}
+        if exec_out.sample_ids:
+            reqs = [requests[rid] for rid in exec_out.sample_ids]
+            tokens, lps = self.sampler.sample(exec_out.sample_logits, reqs)
+            for rid, tok, lp in zip(exec_out.sample_ids, tokens, lps, strict=True):
+                sampled[rid] = [tok]
+                if lp is not None:
+                    new_lps[rid] = lp
+        self._record_prompt_logprobs(batch, exec_out.prompt_logits)
+        touched = self.scheduler.update(batch, sampled)
+        t_sample = time.perf_counter()
+
+        now = time.perf_counter()
+        outputs = []
+        for req in touched:
+            state = self._states[req.request_id]
+            if req.request_id in new_lps:
+                state.logprobs.append(new_lps[req.request_id])
+            self.metrics.on_token(state, now)
+            if state.detok is not None and not req.is_finished:
+                stop = state.detok.add_tokens(req.output_token_ids[state.num_sent_tokens :])
+                if stop is not None:
+                    req.stop_reason = stop
+                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            elif state.detok is not None:
+                state.detok.add_tokens(req.output_token_ids[state.num_sent_tokens :])
+            if not req.is_finished:
+                outputs.append(self._make_output(state))
+        outputs.extend(self._release_finished())
+        t_end = time.perf_counter()
+        self.metrics.on_step(batch, self.kv.usage, self.scheduler.num_running, self.scheduler.num_waiting)
+        if self._trace_file is not None:
+            rec = StepRecord(
+                batch=batch,
+                start_s=t_start - self._t0,
+                schedule_s=t_sched - t_start,
+                execute_s=t_exec - t_sched,
+                sample_s=(t_sample - t_exec) + (t_end - now),
+                stats={
+                    "kv_usage": self.kv.usage,
+                    "num_running": self.scheduler.num_running,
+                    "num_waiting": self.scheduler.num_waiting,
+                    "num_forwards": exec_out.num_forwards,
+                    "context_lens": [s.context_len for s in batch.seqs],
+                },
+            )
+            append_step(self._trace_file, rec)
+        self.metrics.record_step_times(t_sched - t_start, t_exec - t_sched, (t_sample - t_exec) + (t_end - now))
+        return outputs
+
+    def _record_prompt_logprobs(self, batch: Any, prompt_logits: dict[str, torch.Tensor]) -> None:
+        for seq in batch.seqs:
+            logits = prompt_logits.get(seq.request_id)
+            if logits is None:
+                continue
+            state = self._states[seq.request_id]
+            req = state.request
+            # logits at position p predict prompt token p+1; stop at the prompt's end
+            first = seq.num_computed_tokens + 1
+            last = min(seq.context_len, req.num_prompt_tokens - 1) + 1
+            if last <= first:
+                continue
+            targets = req.prompt_token_ids[first:last]
+            lps = prompt_logprobs(logits[: len(targets)], targets, req.sampling_params.prompt_logprobs or 0)
+            assert state.prompt_logprobs is not None
+            state.prompt_logprobs.extend(lps)
+
+    def _release_finished(self) -> list[RequestOutput]:
+        outputs = []
+        for req in self.scheduler.pop_finished():
+            state = self._states.pop(req.request_id, None)
+            self.sampler.free(req.request_id)
+            if state is None:
+                continue
+            self.metrics.on_finish(req)
+            outputs.append(self._make_output(state))
+        return outputs
+
+    def _make_output(self, state: _RequestState) -> RequestOutput:
+        req = state.request
+        new_ids = req.output_token_ids[state.num_sent_tokens :]
+        new_lps = state.logprobs[state.num_sent_tokens :]
+        state.num_sent_tokens = req.num_output_tokens
+        finished = req.is_finished
+        delta = state.detok.take_delta(finished) if state.detok is not None else ""
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            new_token_ids=new_ids,
+            output_token_ids=list(req.output_token_ids),
+            delta_text=delta,
+            text=state.detok.output_text if state.detok is not None else "",
+            finished=finished,
+            finish_reason=req.status.finish_reason if finished else None,
+            stop_reason=req.stop_reason,
+            new_logprobs=new_lps,
+            logprobs=list(state.logprobs),
+            prompt_logprobs=state.prompt_logprobs,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+
+    def close(self) -> None:
+        if self._trace_file is not None:
+            self._trace_file.close()
+            self._trace_file = None

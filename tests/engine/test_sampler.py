@@ -1,0 +1,135 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from firstlight.engine.detokenizer import IncrementalDetokenizer
+from firstlight.engine.request import Request, SamplingParams
+from firstlight.engine.sampler import Sampler, apply_penalties, filter_logits
+
+V = 50
+
+
+def req(rid: str = "r", prompt=(1, 2, 3), out=(), eos=(2,), **kw) -> Request:
+    r = Request(rid, list(prompt), SamplingParams(**kw), eos_token_ids=eos)
+    r.output_token_ids = list(out)
+    return r
+
+
+def logits(seed: int = 0, n: int = 1) -> torch.Tensor:
+    return torch.randn(n, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_params_validated() -> None:
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"max_tokens": 0}, {"min_p": 2}, {"stop": [""]},
+                {"min_tokens": 5, "max_tokens": 2}, {"nonsense": 1}, {"logprobs": 21}):
+        with pytest.raises(ValidationError):
+            SamplingParams(**bad)
+    assert SamplingParams(stop="x").stop == ("x",)
+
+
+def test_greedy_is_argmax() -> None:
+    x = logits(n=4)
+    toks, lps = Sampler().sample(x, [req(str(i), temperature=0.0) for i in range(4)])
+    assert toks == x.argmax(-1).tolist() and lps == [None] * 4
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy() -> None:
+    x = logits(1)
+    s = Sampler()
+    for _ in range(5):
+        assert s.sample(x, [req(top_k=1)])[0] == [int(x.argmax())]
+        assert s.sample(x, [req(top_p=1e-6)])[0] == [int(x.argmax())]
+        assert s.sample(x, [req(min_p=1.0)])[0] == [int(x.argmax())]
+
+
+def test_filters_keep_the_right_set() -> None:
+    x = logits(2)[0]
+    kept = filter_logits(x, SamplingParams(top_k=5)).isfinite()
+    assert set(kept.nonzero().flatten().tolist()) == set(x.topk(5).indices.tolist())
+    p = x.softmax(-1)
+    kept = filter_logits(x, SamplingParams(top_p=0.5)).isfinite()
+    order = p.argsort(descending=True)
+    mass_before = p[order].cumsum(0) - p[order]
+    assert kept[order].tolist() == (mass_before < 0.5).tolist()
+    kept = filter_logits(x, SamplingParams(min_p=0.1)).isfinite()
+    assert kept.tolist() == (p >= 0.1 * p.max()).tolist()
+
+
+def test_sampling_follows_distribution() -> None:
+    x = torch.tensor([[0.0, 1.0, 2.0] + [-1e9] * (V - 3)])
+    s = Sampler(seed=0)
+    r = req(temperature=1.0)
+    counts = torch.zeros(3)
+    for _ in range(3000):
+        counts[s.sample(x, [r])[0][0]] += 1
+    expected = x[0, :3].softmax(-1) * 3000
+    assert torch.allclose(counts, expected, atol=100)  # ~ 4 sigma
+
+
+def test_seed_independent_of_companions() -> None:
+    x = logits(3, n=3)
+    a = Sampler()
+    alone = [a.sample(x[1:2], [req("s", temperature=1.0, seed=42)])[0][0] for _ in range(10)]
+    b = Sampler()
+    rows = [req("o1", temperature=1.0), req("s", temperature=1.0, seed=42), req("o2", temperature=0.7)]
+    mixed = [b.sample(x, rows)[0][1] for _ in range(10)]
+    assert alone == mixed
+
+
+def test_penalties() -> None:
+    x = torch.tensor([2.0, -2.0, 1.0, 0.5] + [0.0] * (V - 4))
+    r = req(prompt=(0,), out=(1, 2, 2), eos=(), repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    y = apply_penalties(x.clone(), r)
+    assert y[0] == pytest.approx(1.0)  # prompt token, positive: divided
+    assert y[1] == pytest.approx(-4.0 - 0.5 - 0.25)  # negative: multiplied, then presence + 1x frequency
+    assert y[2] == pytest.approx(0.5 - 0.5 - 0.5)  # 2 occurrences
+    assert y[3] == pytest.approx(0.5)  # unseen
+
+
+def test_min_tokens_blocks_eos() -> None:
+    x = torch.full((1, V), -5.0)
+    x[0, 2] = 10.0  # eos is by far the best
+    toks, _ = Sampler().sample(x, [req(temperature=0.0, min_tokens=3, max_tokens=5)])
+    assert toks[0] != 2
+    toks, _ = Sampler().sample(x, [req(temperature=0.0, min_tokens=3, max_tokens=5, out=(7, 7, 7))])
+    assert toks[0] == 2
+
+
+def test_logprobs_top_n() -> None:
+    x = logits(4)
+    toks, lps = Sampler().sample(x, [req(temperature=0.0, logprobs=3)])
+    lp = x.log_softmax(-1)[0]
+    assert lps[0].token_id == toks[0] and lps[0].rank == 1
+    assert lps[0].logprob == pytest.approx(float(lp.max()))
+    assert [t for t, _ in lps[0].top] == lp.topk(3).indices.tolist()
+
+
+def test_incremental_detokenizer_multibyte(tiny) -> None:
+    _, tok = tiny
+    text = "héllo wörld 🙂 ünïcode — ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text) // 4
+    d = IncrementalDetokenizer(tok, tok.encode("Q:", add_special_tokens=False))
+    pieces = []
+    for t in ids:
+        d.add_tokens([t])
+        piece = d.take_delta(False)
+        assert "\ufffd" not in piece
+        pieces.append(piece)
+    assert "".join(pieces) + d.take_delta(True) == tok.decode(ids)
+
+
+def test_stop_string_across_tokens(tiny) -> None:
+    _, tok = tiny
+    ids = tok.encode("The quick brown fox jumps", add_special_tokens=False)
+    d = IncrementalDetokenizer(tok, [1], stop=("brown f",))
+    sent = ""
+    stop = None
+    for t in ids:
+        stop = d.add_tokens([t])
+        sent += d.take_delta(stop is not None)
+        if stop:
+            break
+    assert stop == "brown f" and sent == "The quick "

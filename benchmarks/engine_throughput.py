@@ -100,10 +100,10 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
-    from firstlight.engine.llm import resolve_model_path
+    from firstlight.models.hub import resolve
     from firstlight.models.loader import load_model
 
-    path = resolve_model_path(args.model)
+    path = resolve(args.model)
     model, tok = load_model(path)
     cfg = model.config
     num_params = sum(p.numel() for p in model.parameters())

@@ -21,6 +21,7 @@ def serve(
     max_model_len: int | None = typer.Option(None, help="Context length (default: the model's)."),
     no_prefix_caching: bool = typer.Option(False, help="Disable prefix caching."),
     compile_decode: bool = typer.Option(False, help="torch.compile the decode forward."),
+    quantization: str = typer.Option("none", help="Weight quantization: none, int8, int4, fp8."),
     threads: int | None = typer.Option(None, help="torch intra-op threads (default: torch's)."),
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API."""
@@ -39,6 +40,7 @@ def serve(
         port=port,
         trace=str(trace) if trace else None,
         dtype=dtype,
+        quantization=quantization,
         served_name=served_model_name,
         block_size=block_size,
         kv_cache_bytes=int(kv_cache_gib * (1 << 30)),

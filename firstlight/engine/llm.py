@@ -11,22 +11,17 @@ from firstlight.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from firstlight.engine.request import SamplingParams
 
 
-def resolve_model_path(name_or_path: str | Path) -> Path:
-    """A checkpoint dir for a model name (`firstlight models list`) or a path."""
-    path = Path(name_or_path)
-    if path.is_dir():
-        return path
-    try:
-        from firstlight.models.hub import resolve
-    except ImportError:
-        return path  # no hub yet: load_model explains a missing path
-    return Path(resolve(str(name_or_path)))
-
-
-def load(name_or_path: str | Path, dtype: str = "float32") -> tuple[torch.nn.Module, Any]:
+def load(
+    name_or_path: str | Path, dtype: str = "float32", quantization: str | None = None
+) -> tuple[torch.nn.Module, Any]:
+    """(model, tokenizer) for a model name (`firstlight models list`) or a checkpoint dir."""
+    from firstlight.engine.quant import apply_quantization
+    from firstlight.models.hub import resolve
     from firstlight.models.loader import load_model
 
-    return load_model(resolve_model_path(name_or_path), dtype=dtype)
+    model, tokenizer = load_model(resolve(str(name_or_path)), dtype=dtype)
+    apply_quantization(model, quantization)
+    return model, tokenizer
 
 
 class LLM:

@@ -445,7 +445,7 @@ def create_app(llm: AsyncLLM, model_name: str) -> FastAPI:
 
 def serve(
     model: str, host: str = "127.0.0.1", port: int = 8000, trace: str | None = None,
-    dtype: str = "float32", served_name: str | None = None,
+    dtype: str = "float32", served_name: str | None = None, quantization: str | None = None,
     **engine_kwargs: Any,
 ) -> None:
     """Load the model and run the server until interrupted (blocking)."""
@@ -454,7 +454,7 @@ def serve(
     from firstlight.engine.engine import EngineConfig, LLMEngine
     from firstlight.engine.llm import load
 
-    m, tok = load(model, dtype)
+    m, tok = load(model, dtype, quantization)
     engine = LLMEngine(m, tok, EngineConfig(trace_path=trace, **engine_kwargs))
     app = create_app(AsyncLLM(engine), served_name or model)
     try:

@@ -36,7 +36,7 @@ class Gemma3Layer(nn.Module):
         self,
         x: torch.Tensor,
         rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
-        masks: dict[str, torch.Tensor | None],
+        masks: dict[str, torch.Tensor | str | None],
         cache: KVCache,
     ) -> torch.Tensor:
         cos, sin = rope[self.layer_type]

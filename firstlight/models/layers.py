@@ -90,22 +90,43 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+CAUSAL = "causal"  # mask sentinel: plain causal attention over exactly the new tokens
+
+
+def _is_plain_causal(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> bool:
+    """True when the keys are exactly the queries, in order, with no padding and no window cut."""
+    seq = q_pos.shape[1]
+    return (
+        seq > 1
+        and k_pos.shape[1] == seq
+        and (window is None or seq <= window)
+        and torch.equal(q_pos, k_pos)
+        and bool((q_pos[:, 0] >= 0).all())
+        and bool((q_pos[:, 1:] > q_pos[:, :-1]).all())
+    )
+
+
 def attention_mask(
-    q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None
-) -> torch.Tensor | None:
-    """Boolean mask [B, 1, S, L] (True = attend), or None when every query may see every key.
+    q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, allow_shortcuts: bool = True
+) -> torch.Tensor | str | None:
+    """Boolean mask [B, 1, S, L] (True = attend). With allow_shortcuts: None when every query may
+    see every key, CAUSAL when the mask is exactly lower-triangular (SDPA's `is_causal` fast path).
 
     A key is visible when it exists (k_pos >= 0), is not in the future (k_pos <= q_pos) and, for a
     sliding-window layer, lies within the window (q_pos - k_pos < window). Padding queries
     (q_pos < 0) see everything, so their (discarded) rows stay finite.
     """
+    # The shortcuts read tensor values: skip them while compiling, to keep the graph whole.
+    eager = allow_shortcuts and not torch.compiler.is_compiling()
+    if eager and _is_plain_causal(q_pos, k_pos, window):
+        return CAUSAL
     q = q_pos.unsqueeze(-1)  # [B, S, 1]
     k = k_pos.unsqueeze(-2)  # [B, 1, L]
     allowed = (k >= 0) & (k <= q)
     if window is not None:
         allowed &= (q - k) < window
     allowed |= q < 0
-    if q_pos.shape[1] == 1 and not torch.compiler.is_compiling() and bool(allowed.all()):
+    if eager and q_pos.shape[1] == 1 and bool(allowed.all()):
         return None  # decode with nothing masked: let SDPA take its unmasked path
     return allowed.unsqueeze(1)
 
@@ -131,7 +152,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | str | None,
         cache: KVCache,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape  # x: [B, S, E]
@@ -144,8 +165,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = cache.update(self.layer, k, v)  # k, v: [B, Hkv, L, D]
+        causal = isinstance(mask, str)
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads
+            q, k, v, attn_mask=None if causal else mask, is_causal=causal, scale=self.scale,
+            enable_gqa=self.num_kv_heads != self.num_heads,
         )  # out: [B, H, S, D]
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.q_size))
 
@@ -198,7 +221,7 @@ class CausalLM(nn.Module):
         x = self.embed(input_ids)  # x: [B, S, E]
         key_positions = cache.begin(positions)  # [B, L]
         rope = self.rope_tables(positions, x.dtype)
-        masks = self.masks(positions, key_positions)
+        masks = self.masks(positions, key_positions, allow_shortcuts=True)
         for layer in self.layers:
             x = layer(x, rope, masks, cache)
         cache.end()
@@ -231,11 +254,10 @@ class CausalLM(nn.Module):
         }
 
     def masks(
-        self, positions: torch.Tensor, key_positions: torch.Tensor
-    ) -> dict[str, torch.Tensor | None]:
-        """Attention mask per layer type (full or sliding), built once per forward."""
+        self, positions: torch.Tensor, key_positions: torch.Tensor, allow_shortcuts: bool = False
+    ) -> dict[str, torch.Tensor | str | None]:
+        """Attention mask per layer type (full or sliding), built once per forward; always boolean
+        tensors unless allow_shortcuts (see attention_mask)."""
         cfg = self.config
-        return {
-            t: attention_mask(positions, key_positions, cfg.sliding_window if t == "sliding_attention" else None)
-            for t in self.inv_freq
-        }
+        window = {t: cfg.sliding_window if t == "sliding_attention" else None for t in self.inv_freq}
+        return {t: attention_mask(positions, key_positions, window[t], allow_shortcuts) for t in self.inv_freq}

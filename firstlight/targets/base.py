@@ -12,7 +12,14 @@ The verification harness drives a target through four calls, in this order:
 A *unit* is a `torch.nn.Module` whose forward takes tensors only and returns a tensor or a tuple of
 tensors; its parameters are passed as trailing inputs (so a compiled artifact for one layer serves
 every layer with the same `key`: same structure, different weights). `compile` must return a
-callable accepting inputs of the same shapes and dtypes as `example_inputs`.
+callable accepting inputs of the same shapes and dtypes as `example_inputs`. Keys: `logits` (whole
+model), `embed`, `layer:<type>`, `head`, and, for targets without hooks, `attn:<type>` and `mlp`
+(a layer's attention and MLP on their own, so they are compared inside the layer too).
+
+A compiled unit must be deterministic: called twice with the same input bits it returns the same
+output bits. The harness relies on it to skip re-running a layer in isolation when its propagated
+input already equals the reference input bit for bit. A target with `supports_hooks` must run
+the whole model's layers as it runs the layer units.
 
 `run_op` executes one ATen op of an FX graph in the target's numerics; the default runs it in
 PyTorch eagerly. A target for an emulated chip overrides it to use its own kernels, so that the

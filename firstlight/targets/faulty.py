@@ -11,14 +11,14 @@ module's forward, and perturbs them:
     constant   scalar argument `arg` (default: the first number) replaced by `value`
 
 Command line: `--target faulty:op=aten.rsqrt,module=layers.1.input_layernorm,kind=scale,value=2`.
-SDPA is decomposed (see decompose.py) so softmax and mask ops can be hit.
+SDPA is decomposed (see decompose.py) inside the modules a fault can select, so softmax and mask
+ops can be hit; elsewhere the model runs as plain eager PyTorch.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import re
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,13 +139,21 @@ class _FaultMode(TorchDispatchMode):
         t = self.target
         path = t._stack[-1] if t._stack else ""
         name = op_name(func)
-        key = (path, name)
-        nth = t._counts[key]
-        t._counts[key] = nth + 1
+        counts = t._counts.setdefault(path, {})
+        nth = counts.get(name, 0)
+        counts[name] = nth + 1
         return t.run_op(func, args, kwargs, OpSite(module=path, layer=layer_of(path), nth=nth, op=name))
 
 
 class FaultyTarget(Target):
+    """Eager execution with `faults` applied to the ATen ops they select.
+
+    Ops are intercepted (a Python dispatch mode) and SDPA is decomposed only inside modules a
+    fault can select; the rest of the model runs as plain eager PyTorch, at eager speed and with
+    eager numerics. A fault with neither `module` nor `layer` can hit any op: then the whole unit
+    runs intercepted.
+    """
+
     name = "faulty"
 
     def __init__(self, dtype: torch.dtype = torch.float32, faults: Sequence[Fault] | None = None, **options: str) -> None:
@@ -156,24 +164,39 @@ class FaultyTarget(Target):
         if not self.faults:
             raise TargetError("faulty target needs a fault, e.g. faulty:op=aten.rsqrt,layer=1,kind=scale,value=2")
         self._stack: list[str] = []
-        self._counts: dict[tuple[str, str], int] = defaultdict(int)
+        self._counts: dict[str, dict[str, int]] = {}  # module path -> op name -> calls so far
         self._hooks: list[Any] = []
+        self._everywhere = any(f.module is None and f.layer is None for f in self.faults)
+        self._running = False  # inside a compiled unit's run (not, e.g., the harness's make_fx trace)
+        self._active: list[tuple[int, tuple[Any, ...]]] = []  # (stack depth that entered it, mode)
+
+    def _can_hit(self, path: str) -> bool:
+        """Whether any fault can select an op whose innermost module is `path`."""
+        return any((f.layer is None or layer_of(path) == f.layer)
+                   and (f.module is None or fnmatch.fnmatchcase(path, f.module)) for f in self.faults)
 
     def prepare(self, model: nn.Module) -> nn.Module:
         for path, module in model.named_modules():
-            self._hooks.append(module.register_forward_pre_hook(self._enter(path)))
+            can_hit = self._can_hit(path)
+            self._hooks.append(module.register_forward_pre_hook(self._enter(path, can_hit)))
             self._hooks.append(module.register_forward_hook(self._leave))
         return model
 
-    def _enter(self, path: str) -> Callable[..., None]:
+    def _enter(self, path: str, can_hit: bool) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
             self._stack.append(path)
-            for key in [k for k in self._counts if k[0] == path]:
-                del self._counts[key]
+            self._counts.pop(path, None)
+            if can_hit and self._running and not self._active:
+                modes = (DecomposedSDPA(), _FaultMode(self))
+                for mode in modes:
+                    mode.__enter__()
+                self._active.append((len(self._stack), modes))
 
         return hook
 
     def _leave(self, module: nn.Module, args: Any, out: Any) -> None:
+        if self._active and self._active[-1][0] == len(self._stack):
+            self._exit_modes()
         if self._stack:
             self._stack.pop()
 
@@ -181,10 +204,22 @@ class FaultyTarget(Target):
         def run(*inputs: torch.Tensor) -> Any:
             self._stack.clear()
             self._counts.clear()
-            with DecomposedSDPA(), _FaultMode(self):
+            self._running = True
+            try:
+                if self._everywhere:
+                    with DecomposedSDPA(), _FaultMode(self):
+                        return unit(*inputs)
                 return unit(*inputs)
+            finally:
+                self._running = False
+                while self._active:  # a forward that raised between a module's two hooks
+                    self._exit_modes()
 
         return run
+
+    def _exit_modes(self) -> None:
+        for mode in reversed(self._active.pop()[1]):
+            mode.__exit__(None, None, None)
 
     def run_op(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], site: OpSite) -> Any:
         for fault in self.faults:

@@ -14,7 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from firstlight.targets.base import Target, TargetReport
+from firstlight.targets.base import Target, TargetError, TargetReport
+
+_MAX_UNITS = 256  # compiled units per process (Dynamo's recompile limit while compiling one)
 
 
 class InductorTarget(Target):
@@ -41,9 +43,25 @@ class InductorTarget(Target):
         shapes = tuple((tuple(t.shape), t.dtype) for t in example_inputs)
         if (key, shapes) not in self._cache:
             fn = torch.compile(unit, backend=self._backend, dynamic=False, fullgraph=False)
-            fn(*example_inputs)  # compile now, so a compile error is reported as one
+            graphs = self._graphs
+            # Every unit runs the same `Unit.forward` code object, and Dynamo counts each unit's
+            # compile as a recompile of it: past its limit (8) it marks the code to run eagerly
+            # from then on, and the verification would pass on eager numbers. Raise the limit
+            # while compiling and running, and check that Inductor really got a graph.
+            with torch._dynamo.config.patch(recompile_limit=_MAX_UNITS, accumulated_recompile_limit=4 * _MAX_UNITS):
+                fn(*example_inputs)  # compile now, so a compile error is reported as one
+            if self._graphs == graphs:
+                raise TargetError(f"inductor: Dynamo compiled no graph for unit '{key}' (it ran eagerly); "
+                                  "run with TORCH_LOGS=recompiles to see why")
             self._cache[(key, shapes)] = fn
-        return self._cache[(key, shapes)]
+        fn = self._cache[(key, shapes)]
+
+        def run(*xs: torch.Tensor) -> Any:
+            # a guard that fails on a call recompiles (slow, visible) instead of running eagerly
+            with torch._dynamo.config.patch(recompile_limit=_MAX_UNITS, accumulated_recompile_limit=4 * _MAX_UNITS):
+                return fn(*xs)
+
+        return run
 
     def report(self) -> TargetReport:
         from torch._dynamo.utils import counters

@@ -4,10 +4,13 @@
        continuation with boundary hooks (one fp32 tensor per boundary, not every op)
     2. target: the whole model compiled once → logits (teacher-forced parity, greedy divergence,
        perplexity); boundaries in propagate mode (hooks, or a chain of compiled units)
-    3. every unit (embed, each layer, head) run on the target with the *reference* input: the
-       first unit over tolerance is the failing one (isolated, so error inherited from earlier
-       layers is not blamed on it)
-    4. that one unit replayed op by op (oplevel.py) → culprit ATen op, module path, source line
+    3. every unit (embed, each layer, head; for targets without hooks also each layer's
+       attention and MLP) run on the target with the *reference* input: the first unit over
+       tolerance is the failing one (isolated, so error inherited from earlier layers is not
+       blamed on it). A unit whose propagated input already has the reference's bits is not run
+       again: its propagated output is its isolated one (units are deterministic).
+    4. that one unit replayed op by op (oplevel.py) → culprit ATen op, module path, source line;
+       only that unit's fp32 reference weights are copied, never a second model
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ import torch
 from torch import nn
 
 from firstlight.models.config import ModelConfig
-from firstlight.models.hf_names import build_state_dict, hf_module_name
-from firstlight.models.loader import build_model, load_config, load_model
+from firstlight.models.hf_names import hf_module_name, hf_name
+from firstlight.models.loader import load_config, load_model, load_tokenizer
 from firstlight.targets.base import Target, TargetError
 from firstlight.verify import units as U
 from firstlight.verify.metrics import compare
@@ -62,6 +65,7 @@ class VerifyResult:
     tolerance: dict[str, Any]
     timings_s: dict[str, float]
     reasons: list[str] = field(default_factory=list)
+    isolated_reused: list[str] = field(default_factory=list)  # units whose propagated input was bit-exact
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -92,18 +96,21 @@ def load_reference(path: str | Path) -> nn.Module:
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
-def fp32_twin(cfg: ModelConfig, reference: nn.Module) -> nn.Module:
-    """Our model in fp32 with the reference's weights (op-level reference; no second disk read)."""
-    model = build_model(cfg, torch.float32)
-    expected = dict(model.state_dict())
-    if cfg.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
+def reference_params(unit: U.Unit, reference: nn.Module) -> dict[str, torch.Tensor]:
+    """fp32 reference weights of one unit, by the unit adapter's parameter names.
+
+    Read straight from the HF reference's state dict (fused projections concatenated as the loader
+    does), so localizing one layer copies that layer's weights only, never a twin of the model.
+    """
     hf_state = reference.state_dict()
-    state = build_state_dict(list(expected), hf_state.__getitem__)
-    with torch.no_grad():
-        for name, tensor in state.items():
-            expected[name].copy_(tensor)
-    return model.eval().requires_grad_(False)
+    out: dict[str, torch.Tensor] = {}
+    for name in unit.param_names:
+        module, _, leaf = name.rpartition(".")
+        ours = ".".join(p for p in (unit.model_path(module), leaf) if p)
+        parts = [n if n in hf_state else "model.embed_tokens.weight" for n in hf_name(ours)]  # tied lm_head
+        tensors = [hf_state[n].float() for n in parts]
+        out[name] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+    return out
 
 
 class _Compiled:
@@ -113,14 +120,17 @@ class _Compiled:
         self.target, self.spec = target, spec
 
     def compile(self, unit: U.Unit, inputs: Sequence[torch.Tensor]) -> Callable[..., Any]:
-        args = (*inputs, *unit.params())
+        # Detached: fresh tensor objects that are not the module's own parameters, so a compiler
+        # cannot specialize on their identity (Dynamo would guard on `param is args[k]` and
+        # recompile for every layer) and the units of one key share one artifact.
+        params = [p.detach() for p in unit.params()]
+        args = (*inputs, *params)
         try:
             fn = self.target.compile(unit, args, unit.key)
         except TargetError:
             raise
         except Exception as e:  # the target's own code: every failure means "could not compile"
             raise TargetError(f"target '{self.spec}' failed to compile unit '{unit.key}': {type(e).__name__}: {e}") from e
-        params = unit.params()
 
         def run(*xs: torch.Tensor) -> Any:
             try:
@@ -133,7 +143,8 @@ class _Compiled:
         return run
 
 
-def _reference_pass(ref: nn.Module, ids: list[int], num_layers: int, mid: str, new_tokens: int) -> tuple[list[int], dict[str, torch.Tensor]]:
+def _reference_pass(ref: nn.Module, ids: list[int], num_layers: int, mid: str, new_tokens: int,
+                    sub_inputs: bool = False) -> tuple[list[int], dict[str, torch.Tensor]]:
     prompt = torch.tensor([ids])
     tokens = list(ids)
     if new_tokens:
@@ -141,7 +152,7 @@ def _reference_pass(ref: nn.Module, ids: list[int], num_layers: int, mid: str, n
                            eos_token_id=None, pad_token_id=0)
         tokens = out[0].tolist()
     store: dict[str, torch.Tensor] = {}
-    with U.capture(ref, store, hf_module_name, layers=num_layers, mid_norm=mid):
+    with U.capture(ref, store, hf_module_name, layers=num_layers, mid_norm=mid, sub_inputs=sub_inputs):
         store["logits"] = ref(torch.tensor([tokens])).logits.detach().float()
     return tokens, store
 
@@ -156,7 +167,13 @@ def run_verify(
     policy: TolerancePolicy | None = None,
     ppl_ids: list[int] | None = None,
     reference: nn.Module | None = None,
+    model: nn.Module | None = None,
 ) -> VerifyResult:
+    """Verify `target` against the HF reference of the checkpoint at `model_path`.
+
+    `reference` (the HF fp32 model) and `model` (ours, already in `target.dtype`) may be passed
+    in already loaded; `model` is handed to `target.prepare`, so pass a fresh one per call.
+    """
     cfg_v = config or VerifyConfig()
     policy = policy or TolerancePolicy.for_dtype(target.dtype)
     timer = _Timer()
@@ -164,7 +181,10 @@ def run_verify(
     cfg = load_config(model_path)
     with timer("load"):
         ref = reference if reference is not None else load_reference(model_path)
-        tmodel, tok = load_model(model_path, target.dtype, with_tokenizer=prompt_ids is None)
+        if model is not None:
+            tmodel, tok = model, (load_tokenizer(model_path) if prompt_ids is None else None)
+        else:
+            tmodel, tok = load_model(model_path, target.dtype, with_tokenizer=prompt_ids is None)
     if prompt_ids is None:
         prompt_ids = tok(DEFAULT_PROMPT)["input_ids"]
     if len(prompt_ids) < 2:
@@ -172,7 +192,8 @@ def run_verify(
     mid = U.mid_norm_name(tmodel.layers[0])
     num_layers = cfg.num_layers
     with timer("reference"):
-        tokens, ref_caps = _reference_pass(ref, prompt_ids, num_layers, mid, cfg_v.new_tokens)
+        tokens, ref_caps = _reference_pass(ref, prompt_ids, num_layers, mid, cfg_v.new_tokens,
+                                           sub_inputs=not target.supports_hooks)
     seq = torch.tensor([tokens])
     positions = torch.arange(seq.shape[1])[None]
     masks = tmodel.masks(positions, positions)
@@ -194,8 +215,15 @@ def run_verify(
             t = tmodel.layers[i].layer_type
             layer_fns.append(comp.compile(U.layer_unit(tmodel, i), (x0, *rope_t[t], masks[t])))
         head_fn = comp.compile(U.head_unit(tmodel), (x0,))
+        # Compiled units hide the inside of a layer: attention and MLP get units of their own.
+        sub_fns = None if target.supports_hooks else [
+            (comp.compile(U.attention_unit(tmodel, i), (x0, *rope_t[tmodel.layers[i].layer_type],
+                                                        masks[tmodel.layers[i].layer_type])),
+             comp.compile(U.mlp_unit(tmodel, i), (x0,)))
+            for i in range(num_layers)]
 
     prop: dict[str, torch.Tensor] = {}
+    head_logits = None
     with timer("target"):
         if target.supports_hooks:
             with U.capture(tmodel, prop, layers=num_layers, mid_norm=mid):
@@ -208,31 +236,21 @@ def run_verify(
                 t = tmodel.layers[i].layer_type
                 x = fn(x, *rope_t[t], masks[t])
                 prop[f"layers.{i}"] = x.float()
-            h, _ = head_fn(x)
+            h, head_logits = head_fn(x)
             prop["norm"] = h.float()
+            head_logits = head_logits.float()
 
     iso: dict[str, torch.Tensor] = {}
     with timer("isolate"):
-        hooks = U.capture(tmodel, iso, layers=num_layers, mid_norm=mid) if target.supports_hooks else _null()
-        with hooks:
-            iso["embed"] = embed_fn(seq).float()
-            for i, fn in enumerate(layer_fns):
-                t = tmodel.layers[i].layer_type
-                x_in = ref_caps["embed"] if i == 0 else ref_caps[f"layers.{i - 1}"]
-                iso[f"layers.{i}"] = fn(x_in.to(target.dtype), *rope_t[t], masks[t]).float()
-            h, logits = head_fn(ref_caps[f"layers.{num_layers - 1}"].to(target.dtype))
-            iso["norm"], iso["logits"] = h.float(), logits.float()
-            iso["embed"] = embed_fn(seq).float()  # the layer-0 pre-hook does not fire in the embed unit
+        reused = _isolate(tmodel, embed_fn, seq, layer_fns, head_fn, ref_caps, prop, head_logits, iso, rope_t, masks, target.dtype,
+                          mid if target.supports_hooks else None)
+        if sub_fns is not None:
+            _isolate_sub_layers(tmodel, sub_fns, ref_caps, iso, rope_t, masks, target.dtype)
 
-    boundaries = []
-    for name in U.boundary_names(tmodel, sub_layer=target.supports_hooks):
-        tol = policy.for_tensor(name)
-        row: dict[str, Any] = {"name": name}
-        if name in iso:
-            row["isolated"] = compare(iso[name], ref_caps[name], target.dtype, tol).to_dict()
-        if name in prop:
-            row["propagated"] = compare(prop[name], ref_caps[name], target.dtype, tol).to_dict()
-        boundaries.append(row)
+    with timer("compare"):
+        names = U.boundary_names(tmodel, resid_mid=target.supports_hooks)
+        boundaries = _compare_boundaries(names, iso, prop,
+                                         ref_caps, target.dtype, policy)
     # The first boundary over tolerance (sub-layer ones too: a fault a later norm hides is still a
     # fault), reported as the unit that contains it.
     bad = next((b["name"] for b in boundaries if "isolated" in b and not b["isolated"]["ok"]), None)
@@ -263,8 +281,78 @@ def run_verify(
         model=str(model_path), target=target_spec, dtype=str(target.dtype).removeprefix("torch."),
         tokens=tokens, prompt_len=len(prompt_ids), boundaries=boundaries, first_failing=first,
         ops=ops, culprit=found, parity=parity.to_dict(), perplexity=ppl, target_report=rep,
-        tolerance=policy.to_dict(), timings_s=timer.times, reasons=reasons,
+        tolerance=policy.to_dict(), timings_s=timer.times, reasons=reasons, isolated_reused=reused,
     )
+
+
+def _isolate(tmodel: nn.Module, embed_fn: Callable[..., Any], seq: torch.Tensor, layer_fns: list[Callable[..., Any]],
+             head_fn: Callable[..., Any],
+             ref_caps: dict[str, torch.Tensor], prop: dict[str, torch.Tensor], head_logits: torch.Tensor | None,
+             iso: dict[str, torch.Tensor], rope_t: dict[str, Any], masks: dict[str, Any], dtype: torch.dtype,
+             mid: str | None) -> list[str]:
+    """Every unit on the target with the reference's input → `iso`; the units it did not need to run.
+
+    A unit whose propagated input has the same bits as the reference input (cast to the target
+    dtype) got exactly the isolated input already, so its propagated outputs are reused: units are
+    deterministic (a contract of Target), and a target with hooks runs the same modules in the
+    whole model as in its units. So only the units from the first divergence on run again.
+    """
+    n = len(layer_fns)
+    sub = ("self_attn", "resid_mid", "mlp") if mid is not None else ()
+    reused: list[str] = []
+    # the embedding's input is the token ids on both sides
+    embed = prop["embed"] if "embed" in prop else embed_fn(seq).float()
+    hooks = U.capture(tmodel, iso, layers=n, mid_norm=mid) if mid is not None else _null()
+    with hooks:
+        for i, fn in enumerate(layer_fns):
+            x_in = (ref_caps["embed"] if i == 0 else ref_caps[f"layers.{i - 1}"]).to(dtype)
+            p_in = embed if i == 0 else prop.get(f"layers.{i - 1}")
+            names = [f"layers.{i}", *(f"layers.{i}.{s}" for s in sub)]
+            if p_in is not None and all(k in prop for k in names) and torch.equal(p_in, x_in.float()):
+                iso.update({k: prop[k] for k in names})
+                reused.append(f"layers.{i}")
+                continue
+            t = tmodel.layers[i].layer_type
+            iso[f"layers.{i}"] = fn(x_in, *rope_t[t], masks[t]).float()
+        x_in = ref_caps[f"layers.{n - 1}"].to(dtype)
+        logits = prop["logits"] if mid is not None else head_logits
+        p_in = prop.get(f"layers.{n - 1}")
+        if logits is not None and "norm" in prop and p_in is not None and torch.equal(p_in, x_in.float()):
+            iso["norm"], iso["logits"] = prop["norm"], logits
+            reused.append("head")
+        else:
+            h, logits = head_fn(x_in)
+            iso["norm"], iso["logits"] = h.float(), logits.float()
+    iso["embed"] = embed  # the layer-0 pre-hook wrote the reference input there
+    return reused
+
+
+def _isolate_sub_layers(tmodel: nn.Module, sub_fns: list[tuple[Callable[..., Any], Callable[..., Any]]],
+                        ref_caps: dict[str, torch.Tensor], iso: dict[str, torch.Tensor], rope_t: dict[str, Any],
+                        masks: dict[str, Any], dtype: torch.dtype) -> None:
+    """Attention and MLP units of every layer on the reference's input to that module → `iso`."""
+    for i, (attn_fn, mlp_fn) in enumerate(sub_fns):
+        t = tmodel.layers[i].layer_type
+        h = ref_caps[f"layers.{i}.self_attn.input"].to(dtype)
+        iso[f"layers.{i}.self_attn"] = attn_fn(h, *rope_t[t], masks[t]).float()
+        iso[f"layers.{i}.mlp"] = mlp_fn(ref_caps[f"layers.{i}.mlp.input"].to(dtype)).float()
+
+
+def _compare_boundaries(names: list[str], iso: dict[str, torch.Tensor], prop: dict[str, torch.Tensor],
+                        ref_caps: dict[str, torch.Tensor], dtype: torch.dtype,
+                        policy: TolerancePolicy) -> list[dict[str, Any]]:
+    rows = []
+    for name in names:
+        tol = policy.for_tensor(name)
+        row: dict[str, Any] = {"name": name}
+        p = compare(prop[name], ref_caps[name], dtype, tol).to_dict() if name in prop else None
+        if name in iso:  # a reused unit's isolated output is its propagated one: compared once
+            same = p is not None and iso[name] is prop[name]
+            row["isolated"] = dict(p) if same else compare(iso[name], ref_caps[name], dtype, tol).to_dict()
+        if p is not None:
+            row["propagated"] = p
+        rows.append(row)
+    return rows
 
 
 class _null:
@@ -296,25 +384,24 @@ def _perplexity(ref: nn.Module, comp: _Compiled, tmodel: nn.Module, ids: list[in
 def _localize(failing: str, tmodel: nn.Module, ref: nn.Module, cfg: ModelConfig, ref_caps: dict[str, torch.Tensor],
               seq: torch.Tensor, positions: torch.Tensor, masks: dict[str, Any], target: Target,
               policy: TolerancePolicy) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
-    twin = fp32_twin(cfg, ref)
     n = cfg.num_layers
     dtype = target.dtype
     if failing == "embed":
-        unit_t, unit_r = U.embed_unit(tmodel), U.embed_unit(twin)
+        unit_t = U.embed_unit(tmodel)
         inputs_t = inputs_r = (seq,)
     elif failing in ("norm", "logits"):
-        unit_t, unit_r = U.head_unit(tmodel), U.head_unit(twin)
+        unit_t = U.head_unit(tmodel)
         x = ref_caps[f"layers.{n - 1}"]
         inputs_t, inputs_r = (x.to(dtype),), (x,)
     else:
         i = int(failing.split(".")[1])
-        unit_t, unit_r = U.layer_unit(tmodel, i), U.layer_unit(twin, i)
+        unit_t = U.layer_unit(tmodel, i)
         t = tmodel.layers[i].layer_type
         x = ref_caps["embed"] if i == 0 else ref_caps[f"layers.{i - 1}"]
         rope_t = tmodel.rope_tables(positions, dtype)[t]
-        rope_r = twin.rope_tables(positions, torch.float32)[t]
+        rope_r = tmodel.rope_tables(positions, torch.float32)[t]  # inv_freq is fp32 in every dtype
         inputs_t, inputs_r = (x.to(dtype), *rope_t, masks[t]), (x, *rope_r, masks[t])
-    records = replay(unit_t, unit_r, inputs_t, inputs_r, target, policy)
+    records = replay(unit_t, reference_params(unit_t, ref), inputs_t, inputs_r, target, policy)
     first_prop = next((r for r in records if not r.propagated.ok), None)
     found = culprit(records)
     first = {"unit": failing, "module": unit_t.path or failing, "num_ops": len(records),

@@ -16,8 +16,10 @@ are alive at a time.
 
 from __future__ import annotations
 
+import inspect
 import operator
 import re
+import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -60,8 +62,7 @@ def source_of(stack_trace: str | None) -> tuple[str | None, str | None]:
     if not stack_trace:
         return None, None
     frames = _FRAME.findall(stack_trace)
-    # The model's own line if there is one, else the innermost frame outside the harness (for a
-    # unit the harness calls directly, such as the embedding module: torch's own source).
+    # The model's own line if there is one, else the innermost frame outside the harness.
     for pred in (lambda f: "/firstlight/models/" in f,
                  lambda f: "/firstlight/verify/" not in f and "/firstlight/targets/" not in f):
         hits = [fr for fr in frames if pred(fr[0])]
@@ -76,8 +77,28 @@ def source_of(stack_trace: str | None) -> tuple[str | None, str | None]:
     return None, None
 
 
+def _anchor_model_functions(root: torch.nn.Module) -> None:
+    """Keep the model files' own functions in FX stack traces, not only `forward` frames.
+
+    make_fx records a node's stack with frames named `forward` only, unless a (file, function) is
+    registered as an anchor; the model's `embed`, `compute_logits`, `apply_rope`, ... are, so a
+    node's source line is the model file's line that made it (the embedding gather included).
+    """
+    register = getattr(fx.proxy, "_register_stack_trace_anchor", None)
+    if register is None:  # older/newer torch without anchors: forward frames only
+        return
+    names = {type(m).__module__ for m in root.modules()} | {c.__module__ for c in type(root).__mro__}
+    for name in sorted(n for n in names if n.startswith("firstlight.models")):
+        for obj in vars(sys.modules[name]).values():
+            members = vars(obj).values() if inspect.isclass(obj) else [obj]
+            for fn in members:
+                if inspect.isfunction(fn) and fn.__module__ == name:
+                    register(fn)
+
+
 def trace_unit(unit: Unit, inputs: tuple[torch.Tensor, ...]) -> fx.GraphModule:
     adapter = unit.adapter
+    _anchor_model_functions(adapter)
 
     def fn(*args: torch.Tensor) -> Any:
         with DecomposedSDPA():
@@ -119,16 +140,20 @@ def _compare_any(out: Any, ref: Any, dtype: torch.dtype, policy: TolerancePolicy
 @torch.no_grad()
 def replay(
     unit_t: Unit,
-    unit_ref: Unit,
+    ref_params: dict[str, torch.Tensor],
     inputs_t: tuple[torch.Tensor, ...],
     inputs_ref: tuple[torch.Tensor, ...],
     target: Target,
     policy: TolerancePolicy,
 ) -> list[OpRecord]:
-    """Trace `unit_t` (target model, target dtype) and replay it; one record per ATen op node."""
+    """Trace `unit_t` (target model, target dtype) and replay it; one record per ATen op node.
+
+    `ref_params`: the unit's fp32 reference weights by adapter parameter name (the rest of a
+    unit's constants are promoted from the target's own).
+    """
     gm = trace_unit(unit_t, inputs_t)
     by_id_t = {id(t): n for n, t in [*unit_t.adapter.named_parameters(), *unit_t.adapter.named_buffers()]}
-    named_ref = dict([*unit_ref.adapter.named_parameters(), *unit_ref.adapter.named_buffers()])
+    named_ref = ref_params
     ref_env: dict[fx.Node, Any] = {}
     tgt_env: dict[fx.Node, Any] = {}
     counts: dict[tuple[str, str], int] = defaultdict(int)

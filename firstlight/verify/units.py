@@ -9,7 +9,10 @@ Boundary names are ours; the HF reference module of each comes from `hf_module_n
     norm                   final norm output         logits         model output
 
 A unit is embed (ids → x), layers.i ((x, cos, sin, mask) → x) or head (x → (norm, logits)); its
-parameters are trailing inputs (see firstlight/targets/base.py).
+parameters are trailing inputs (see firstlight/targets/base.py). Targets whose compiled units hide
+the inside of a layer (no hooks) also compile a layer's attention ((h, cos, sin, mask) → out) and
+MLP (h → out) as units of their own, so `layers.i.self_attn` and `layers.i.mlp` are still
+compared in isolation (each given the reference's input to that module).
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ def mid_norm_name(layer: nn.Module) -> str:
     return "pre_feedforward_layernorm" if hasattr(layer, "pre_feedforward_layernorm") else "post_attention_layernorm"
 
 
-def boundary_names(model: nn.Module, sub_layer: bool = True) -> list[str]:
+def boundary_names(model: nn.Module, sub_layer: bool = True, resid_mid: bool = True) -> list[str]:
+    """Boundaries in model order; `resid_mid` only exists where hooks see inside a layer."""
     names = ["embed"]
     for i in range(len(model.layers)):
         if sub_layer:
-            names += [f"layers.{i}.self_attn", f"layers.{i}.resid_mid", f"layers.{i}.mlp"]
+            names += [f"layers.{i}.self_attn", *([f"layers.{i}.resid_mid"] if resid_mid else []), f"layers.{i}.mlp"]
         names.append(f"layers.{i}")
     return names + ["norm", "logits"]
 
@@ -56,12 +60,14 @@ def capture(
     layer_names: tuple[str, ...] = ("self_attn", "mlp"),
     mid_norm: str = "post_attention_layernorm",
     inputs_too: bool = False,
+    sub_inputs: bool = False,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Record boundary tensors (fp32 copies) into `store` while the context is open.
 
     `resolve` maps our module path to the module path in `root` (identity for our model,
     `hf_module_name` for the HF reference). `inputs_too` also records each layer's input as
-    `layers.i.input` (needed when units run out of order).
+    `layers.i.input` (needed when units run out of order); `sub_inputs` the inputs of attention
+    and MLP as `layers.i.self_attn.input` / `layers.i.mlp.input` (the sub-layer units' inputs).
     """
     handles = []
 
@@ -86,6 +92,8 @@ def capture(
                 for sub in layer_names:
                     mod = root.get_submodule(resolve(f"layers.{i}.{sub}"))
                     handles.append(mod.register_forward_hook(out_hook(f"layers.{i}.{sub}")))
+                    if sub_inputs:
+                        handles.append(mod.register_forward_pre_hook(in_hook(f"layers.{i}.{sub}.input"), with_kwargs=True))
                 mod = root.get_submodule(resolve(f"layers.{i}.{mid_norm}"))
                 handles.append(mod.register_forward_pre_hook(in_hook(f"layers.{i}.resid_mid"), with_kwargs=True))
         handles.append(root.get_submodule(resolve("norm")).register_forward_hook(out_hook("norm")))
@@ -110,14 +118,11 @@ class EmbedAdapter(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
-        # Gemma scales the embedding by sqrt(E), rounded to the model dtype (firstlight/models/gemma3.py).
-        self.scaled = type(model).__name__ == "Gemma3"
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.model.embed_tokens(ids)
-        if self.scaled:
-            x = x * torch.tensor(self.model.config.hidden_size**0.5, dtype=x.dtype)
-        return x
+        # The model's own `embed` (Gemma's sqrt(E) scale included), so the op-level trace's
+        # stack points at the model file's line, not at torch's nn.Embedding.
+        return self.model.embed(ids)
 
 
 class LayerAdapter(nn.Module):
@@ -128,6 +133,26 @@ class LayerAdapter(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         t = self.layer.layer_type
         return self.layer(x, {t: (cos, sin)}, {t: mask}, NoCache())
+
+
+class AttentionAdapter(nn.Module):
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """h: the attention's input (after the layer's input norm) [B, S, E] → attention output [B, S, E]."""
+        return self.layer.self_attn(h, cos, sin, mask, NoCache())
+
+
+class MLPAdapter(nn.Module):
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h: the MLP's input (after its norm) [B, S, E] → MLP output [B, S, E]."""
+        return self.layer.mlp(h)
 
 
 class HeadAdapter(nn.Module):
@@ -178,6 +203,16 @@ def embed_unit(model: nn.Module) -> Unit:
 def layer_unit(model: nn.Module, i: int) -> Unit:
     layer = model.layers[i]
     return Unit(LayerAdapter(layer), [layer], f"layers.{i}", f"layer:{layer.layer_type}", "layer")
+
+
+def attention_unit(model: nn.Module, i: int) -> Unit:
+    layer = model.layers[i]
+    return Unit(AttentionAdapter(layer), [layer.self_attn], f"layers.{i}", f"attn:{layer.layer_type}", "layer")
+
+
+def mlp_unit(model: nn.Module, i: int) -> Unit:
+    layer = model.layers[i]
+    return Unit(MLPAdapter(layer), [layer.mlp], f"layers.{i}", "mlp", "layer")
 
 
 def head_unit(model: nn.Module) -> Unit:

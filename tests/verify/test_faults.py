@@ -48,8 +48,10 @@ def test_planted_fault_is_localized(tiny_dirs, references, family, fault, op, mo
     assert c["op"].startswith(op)
     assert c["module"] == module
     assert c["layer"] == layer
-    # source line: the model's own file for ops inside a layer; torch's module for the bare embedding
-    assert c["source"].startswith("firstlight/models/" if layer is not None else "torch/nn/modules/sparse.py")
+    # source line: the model's own file, the embedding included (its `embed` method, not torch's nn.Embedding)
+    assert c["source"].startswith("firstlight/models/") and c["code"]
+    if layer is None:
+        assert "self.embed_tokens(input_ids)" in c["code"]
     assert not c["isolated"]["ok"]
     # error is introduced at the culprit: every op before it is within tolerance in isolation
     before = [o for o in res.ops if o["index"] < c["index"]]

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from firstlight.targets.base import TargetError
+from firstlight.targets.base import Target, TargetError
 from firstlight.targets.registry import get_target
 from firstlight.verify.harness import VerifyConfig, run_verify
 from firstlight.verify.metrics import compare, ulp_distance
@@ -43,7 +43,41 @@ def test_inductor_fp32_matches(tiny_dirs, references):
     res = run_verify(tiny_dirs["qwen3"], get_target("inductor"), "inductor", config=CFG, reference=references("qwen3"))
     assert res.verdict == "match", res.reasons
     assert res.target_report["ops_lowered"]
-    assert all("isolated" in b and "propagated" in b for b in res.boundaries)
+    # compiled units: layer outputs both ways; attention and MLP in isolation, as units of their own
+    layer_rows = [b for b in res.boundaries if b["name"].count(".") != 2]
+    sub_rows = [b for b in res.boundaries if b["name"].count(".") == 2]
+    assert all("isolated" in b and "propagated" in b for b in layer_rows)
+    assert {b["name"].split(".")[2] for b in sub_rows} == {"self_attn", "mlp"} and len(sub_rows) == 2 * 4
+    assert all(b["isolated"]["ok"] and b["isolated"]["rel_l2"] < 1e-5 for b in sub_rows)
+    # every unit went through Inductor (none fell back to eager at Dynamo's recompile limit)
+    note = next(n for n in res.target_report["notes"] if "compiled by Inductor" in n)
+    num_graphs, num_units = int(note.split()[0]), int(note.split(" for ")[1].split()[0])
+    assert num_units == 6 and num_graphs >= num_units  # logits, embed, layer, head, attention, MLP
+
+
+class _AttentionMiscompiled(Target):
+    """A compiling target (no hooks) whose attention units come out 10% too large."""
+
+    name = "attention-miscompiled"
+    supports_hooks = False
+
+    def compile(self, unit, example_inputs, key):
+        if not key.startswith("attn:"):
+            return unit
+        return lambda *xs: unit(*xs) * 1.1
+
+
+def test_compiled_target_attention_error_is_seen_inside_the_layer(tiny_dirs, references):
+    res = run_verify(tiny_dirs["llama"], _AttentionMiscompiled(), "attention-miscompiled", config=CFG,
+                     reference=references("llama"))
+    assert res.verdict == "mismatch"
+    rows = {b["name"]: b for b in res.boundaries}
+    assert not rows["layers.0.self_attn"]["isolated"]["ok"]
+    assert rows["layers.0.self_attn"]["isolated"]["rel_l2"] == pytest.approx(0.1, rel=1e-3)
+    assert rows["layers.0.mlp"]["isolated"]["ok"] and rows["layers.0"]["isolated"]["ok"]
+    assert res.first_failing["unit"] == "layers.0"
+    # every op of the layer is right when replayed one by one: the error is the compiled unit's
+    assert res.culprit is None and "how the target compiled the unit" in res.first_failing["note"]
 
 
 @pytest.mark.slow

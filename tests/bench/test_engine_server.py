@@ -1,4 +1,4 @@
-"""A short sweep against `firstlight serve` on a tiny random checkpoint (slow: loads torch and a model)."""
+"""A short sweep against `firstlight serve` on a tiny random checkpoint (runs in CI, ~20 s)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ from firstlight.bench.load import LoadSpec
 from firstlight.bench.run import RunConfig
 from firstlight.bench.sweep import Sweep, SweepSpec, parse_servers
 from firstlight.bench.workload import WorkloadSpec
-
-pytestmark = pytest.mark.slow
 
 
 def _free_port() -> int:

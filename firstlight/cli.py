@@ -18,6 +18,7 @@ from firstlight.eval.cli import app as eval_app
 from firstlight.models.cli import app as models_app
 from firstlight.models.cli import generate
 from firstlight.sim.cli import app as sim_app
+from firstlight.train.cli import app as train_app
 from firstlight.verify.cli import verify
 
 app = typer.Typer(
@@ -34,6 +35,7 @@ app.command()(serve)
 app.add_typer(bench_app, name="bench")
 app.add_typer(sim_app, name="sim")
 app.add_typer(eval_app, name="eval")
+app.add_typer(train_app, name="train")
 
 
 def main() -> None:

@@ -23,6 +23,12 @@ def serve(
     compile_decode: bool = typer.Option(False, help="torch.compile the decode forward."),
     quantization: str = typer.Option("none", help="Weight quantization: none, int8, int4, fp8."),
     threads: int | None = typer.Option(None, help="torch intra-op threads (default: torch's)."),
+    speculative: str = typer.Option("none", help="Speculative decoding: none, ngram, draft, heads."),
+    num_spec_tokens: int = typer.Option(4, help="Tokens proposed and verified per step when speculating."),
+    draft_model: str | None = typer.Option(None, help="--speculative draft: a model with the same tokenizer "
+                                           "(default: the target's first --draft-layers layers)."),
+    draft_layers: int | None = typer.Option(None, help="Self-speculative draft depth (default: a quarter of the layers)."),
+    heads: str | None = typer.Option(None, help="--speculative heads: heads file (default: next to the model)."),
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API."""
     import torch
@@ -34,6 +40,16 @@ def serve(
         torch.set_num_threads(threads)
     if kv_cache_gib <= 0:
         raise FirstlightError(f"--kv-cache-gib must be > 0, got {kv_cache_gib}")
+    spec = None
+    if speculative != "none":
+        from firstlight.engine.spec.config import SpecConfig
+        from firstlight.engine.spec.medusa import default_heads_path
+        from firstlight.models.hub import resolve
+
+        if speculative == "heads" and heads is None:
+            heads = str(default_heads_path(resolve(model)))
+        spec = SpecConfig(speculative, num_spec_tokens=num_spec_tokens, draft_model=draft_model,
+                          draft_layers=draft_layers, heads_path=heads)
     run_server(
         model,
         host=host,
@@ -49,4 +65,5 @@ def serve(
         max_model_len=max_model_len,
         enable_prefix_caching=not no_prefix_caching,
         compile_decode=compile_decode,
+        speculative=spec,
     )

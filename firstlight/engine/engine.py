@@ -22,6 +22,7 @@ from firstlight.engine.request import Request, RequestStatus, SamplingParams
 from firstlight.engine.runner import ModelRunner
 from firstlight.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from firstlight.engine.scheduler import Scheduler, SchedulerConfig
+from firstlight.engine.spec.config import SpecConfig
 from firstlight.errors import FirstlightError
 
 
@@ -40,6 +41,7 @@ class EngineConfig:
     compile_decode: bool = False
     seed: int = 0
     trace_path: str | Path | None = None
+    speculative: SpecConfig | None = None  # a proposer (ngram, draft, heads) and its k; None = off
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
@@ -117,6 +119,12 @@ class LLMEngine:
         device = next(model.parameters()).device
         self.runner = ModelRunner(model, num_blocks, config.block_size, device, config.compile_decode)
         self.sampler = Sampler(config.seed)
+        self.spec = None
+        if config.speculative is not None:
+            from firstlight.engine.spec.decoder import SpecDecoder
+
+            self.spec = SpecDecoder(config.speculative, model, tokenizer, self.sampler)
+            self.runner.keep_hidden = self.spec.needs_hidden
         self.metrics = EngineMetrics()
         self._states: dict[str, _RequestState] = {}
         self._next_id = 0
@@ -211,8 +219,12 @@ class LLMEngine:
                 sampled[rid] = [tok]
                 if lp is not None:
                     new_lps[rid] = lp
+        if self.spec is not None:
+            sampled.update(self.spec.verify(exec_out, requests))
         self._record_prompt_logprobs(batch, exec_out.prompt_logits)
         touched = self.scheduler.update(batch, sampled)
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running, self.max_model_len)
         t_sample = time.perf_counter()
 
         now = time.perf_counter()
@@ -234,6 +246,8 @@ class LLMEngine:
         outputs.extend(self._release_finished())
         t_end = time.perf_counter()
         self.metrics.on_step(batch, self.kv.usage, self.scheduler.num_running, self.scheduler.num_waiting)
+        if self.spec is not None:
+            self.metrics.spec = self.spec.stats
         if self._trace_file is not None:
             rec = StepRecord(
                 batch=batch,
@@ -247,6 +261,7 @@ class LLMEngine:
                     "num_waiting": self.scheduler.num_waiting,
                     "num_forwards": exec_out.num_forwards,
                     "context_lens": [s.context_len for s in batch.seqs],
+                    **(self.spec.last_step if self.spec is not None else {}),
                 },
             )
             append_step(self._trace_file, rec)
@@ -275,6 +290,8 @@ class LLMEngine:
         for req in self.scheduler.pop_finished():
             state = self._states.pop(req.request_id, None)
             self.sampler.free(req.request_id)
+            if self.spec is not None:
+                self.spec.free(req.request_id)
             if state is None:
                 continue
             self.metrics.on_finish(req)

@@ -173,6 +173,22 @@ class KVCacheManager:
                 self.free_queue[block_id] = None
             assert block.ref_count >= 0, f"block {block_id} freed twice"
 
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        """Free the tail blocks a request no longer needs for `num_tokens` tokens (speculative
+        rollback: blocks taken for rejected proposals). Returns how many were freed."""
+        table = self.block_tables.get(request_id)
+        if table is None:
+            return 0
+        keep = max(self.num_blocks_for(num_tokens), len(self._block_hashes.get(request_id, ())))
+        num_freed = 0
+        while len(table) > keep:
+            block = self.blocks[table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block.block_id] = None
+            num_freed += 1
+        return num_freed
+
     # ---- prefix registration ---------------------------------------------------------------
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's blocks that are now full of computed tokens."""

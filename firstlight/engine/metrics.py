@@ -56,6 +56,7 @@ class EngineMetrics:
         self.schedule_s = 0.0
         self.execute_s = 0.0
         self.sample_s = 0.0
+        self.spec: Any = None  # SpecDecodeStats when the engine speculates
 
     def on_arrival(self, num_prompt_tokens: int) -> None:
         self.num_prompt_tokens += num_prompt_tokens
@@ -89,6 +90,23 @@ class EngineMetrics:
         self.execute_s += execute_s
         self.sample_s += sample_s
 
+    def _render_spec(self, model_name: str) -> list[str]:
+        """vLLM's spec-decode counters: acceptance rate = accepted / draft tokens."""
+        p, label, st = "firstlight:", f'{{model_name="{model_name}"}}', self.spec
+        lines = []
+        for name, value, help_text in (
+            ("spec_decode_num_drafts", st.num_drafts, "Speculative steps (one per request verified)."),
+            ("spec_decode_num_draft_tokens", st.num_draft_tokens, "Proposed tokens verified."),
+            ("spec_decode_num_accepted_tokens", st.num_accepted_tokens, "Proposed tokens accepted."),
+        ):
+            lines += [f"# HELP {p}{name}_total {help_text}", f"# TYPE {p}{name}_total counter",
+                      f"{p}{name}_total{label} {value}"]
+        lines += [f"# HELP {p}spec_decode_num_accepted_tokens_per_pos_total Accepted tokens by proposal position.",
+                  f"# TYPE {p}spec_decode_num_accepted_tokens_per_pos_total counter"]
+        for pos, n in enumerate(st.accepted_per_pos):
+            lines.append(f'{p}spec_decode_num_accepted_tokens_per_pos_total{{model_name="{model_name}",position="{pos}"}} {n}')
+        return lines
+
     def render(self, model_name: str, kv_usage: float, num_running: int, num_waiting: int) -> str:
         label = f'{{model_name="{model_name}"}}'
         p = "firstlight:"
@@ -116,6 +134,8 @@ class EngineMetrics:
         ]
         for reason, n in sorted(self.num_requests_finished.items()):
             lines.append(f'{p}request_success_total{{model_name="{model_name}",finished_reason="{reason}"}} {n}')
+        if self.spec is not None:
+            lines += self._render_spec(model_name)
         lines += self.ttft.render(f"{p}time_to_first_token_seconds", "Time to first token.")
         lines += self.itl.render(f"{p}inter_token_latency_seconds", "Time between consecutive tokens.")
         return "\n".join(lines) + "\n"

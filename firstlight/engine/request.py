@@ -36,6 +36,9 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(None, ge=0, le=20)  # top-n logprobs of each sampled position
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     skip_special_tokens: bool = True
+    # speculative decoding (engine started with a proposer): tokens proposed per step for this
+    # request; None = the engine's default, 0 = no speculation for this request
+    num_speculative_tokens: int | None = Field(None, ge=0, le=16)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -116,6 +119,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify in the next step
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

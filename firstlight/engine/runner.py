@@ -70,8 +70,18 @@ class ExecuteOutput:
 
     sample_ids: list[str] = field(default_factory=list)
     sample_logits: torch.Tensor | None = None  # [N, V]
+    # speculative rows: logits at the last known token and at each proposal, [1 + k, V]
+    spec_logits: dict[str, torch.Tensor] = field(default_factory=dict)
+    # with `keep_hidden`: final hidden states at those same positions, [1 + k, E] (k = 0: [1, E])
+    hidden: dict[str, torch.Tensor] = field(default_factory=dict)
     prompt_logits: dict[str, torch.Tensor] = field(default_factory=dict)  # rid -> [num_tokens, V]
     num_forwards: int = 0
+
+
+def _input_ids(request: Request, seq: ScheduledSeq) -> list[int]:
+    """The tokens a row computes: known tokens, then (speculative decode) the proposals."""
+    stop = seq.context_len - seq.num_spec_tokens
+    return request.token_ids_slice(seq.num_computed_tokens, stop) + request.spec_token_ids[: seq.num_spec_tokens]
 
 
 class ModelRunner:
@@ -94,6 +104,7 @@ class ModelRunner:
         shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
         self.v_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
+        self.keep_hidden = False  # a heads proposer needs the hidden states that sampled
         self._forward: Callable[..., torch.Tensor] = model.forward_hidden
         self._decode_forward: Callable[..., torch.Tensor] = model.forward_hidden
         if compile_decode:
@@ -115,7 +126,8 @@ class ModelRunner:
         for num_tokens, seqs in sorted(groups.items()):
             self._run_group(seqs, num_tokens, requests, logits_by_id, out)
             out.num_forwards += 1
-        out.sample_ids = [s.request_id for s in batch.seqs if s.request_id in logits_by_id]
+        out.sample_ids = [s.request_id for s in batch.seqs if s.request_id in logits_by_id and not s.num_spec_tokens]
+        out.spec_logits = {s.request_id: logits_by_id[s.request_id] for s in batch.seqs if s.num_spec_tokens}
         if out.sample_ids:
             out.sample_logits = torch.stack([logits_by_id[rid] for rid in out.sample_ids])
         return out
@@ -130,8 +142,7 @@ class ModelRunner:
     ) -> None:
         dev = self.device
         input_ids = torch.tensor(
-            [requests[s.request_id].token_ids_slice(s.num_computed_tokens, s.context_len) for s in seqs],
-            dtype=torch.long,
+            [_input_ids(requests[s.request_id], s) for s in seqs], dtype=torch.long
         ).to(dev)  # [B, S]
         starts = torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.long)
         positions = (starts[:, None] + torch.arange(num_tokens)).to(dev)  # [B, S]
@@ -145,12 +156,23 @@ class ModelRunner:
         for i, s in enumerate(seqs):
             if want_prompt[i]:
                 out.prompt_logits[s.request_id] = self.model.compute_logits(hidden[i]).float()
-        rows = [i for i, s in enumerate(seqs) if s.context_len == requests[s.request_id].num_tokens]
-        if rows:
-            last = hidden[rows, -1]  # [N, E]: the last token of each row that samples
+        rows = [i for i, s in enumerate(seqs) if s.context_len - s.num_spec_tokens == requests[s.request_id].num_tokens]
+        if not rows:
+            return
+        spec = [i for i in rows if seqs[i].num_spec_tokens]
+        if len(spec) < len(rows):
+            plain = [i for i in rows if not seqs[i].num_spec_tokens]
+            last = hidden[plain, -1]  # [N, E]: the last token of each row that samples
             logits = self.model.compute_logits(last)
-            for j, i in enumerate(rows):
+            for j, i in enumerate(plain):
                 logits_by_id[seqs[i].request_id] = logits[j]
+                if self.keep_hidden:
+                    out.hidden[seqs[i].request_id] = last[j : j + 1]
+        for i in spec:  # the last known token and the k proposals: k + 1 distributions to verify
+            h = hidden[i, -(seqs[i].num_spec_tokens + 1) :]  # [1 + k, E]
+            logits_by_id[seqs[i].request_id] = self.model.compute_logits(h)
+            if self.keep_hidden:
+                out.hidden[seqs[i].request_id] = h
 
     def _make_cache(self, seqs: list[ScheduledSeq], positions: torch.Tensor) -> PagedKVCache:
         bs = self.block_size

@@ -90,6 +90,10 @@ class Sampler:
     def free(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
+    def generator(self, request: Request) -> torch.Generator:
+        """The generator a request draws from (its own when seeded); speculative decoding shares it."""
+        return self._generator(request)
+
     def _generator(self, request: Request) -> torch.Generator:
         seed = request.sampling_params.seed
         if seed is None:

@@ -123,6 +123,10 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.can_allocate(request, n):
+                if request.spec_token_ids:  # drop the proposals before preempting anyone
+                    n -= len(request.spec_token_ids)
+                    request.spec_token_ids.clear()
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -165,6 +169,7 @@ class Scheduler:
                 num_computed_tokens=r.num_computed_tokens,
                 num_prompt_tokens=r.num_prompt_tokens,
                 block_ids=tuple(self.kv.block_tables[r.request_id]),
+                num_spec_tokens=len(r.spec_token_ids),
             )
             for r in self.running
             if r.request_id in num_new
@@ -177,12 +182,19 @@ class Scheduler:
         n = request.num_tokens - request.num_computed_tokens
         if n > budget and not self.config.enable_chunked_prefill:
             return 0
+        if request.spec_token_ids:
+            # a decode that verifies k proposals computes 1 + k tokens; keep what fits the budget
+            # and the context (the proposals are only guesses, dropping some is always correct)
+            room = min(budget - n, self.max_model_len - request.num_tokens)
+            del request.spec_token_ids[max(0, room) :]
+            n += len(request.spec_token_ids)
         return min(n, budget)
 
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: drop its KV, put it at the head of the waiting queue."""
         self.running.remove(request)
         self.kv.free(request.request_id)
+        request.spec_token_ids.clear()
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -193,7 +205,8 @@ class Scheduler:
         """Advance computed tokens, append sampled ones, stop what is done.
 
         `sampled` maps request id -> the tokens picked this step (empty or absent for a prefill
-        chunk that does not yet reach the end of the request's tokens). Returns the requests that
+        chunk that does not yet reach the end of the request's tokens; for a speculative decode,
+        the accepted proposals followed by the recovered or bonus token). Returns the requests that
         got new tokens or finished this step.
         """
         touched: list[Request] = []
@@ -201,16 +214,27 @@ class Scheduler:
             request = self.requests.get(seq.request_id)
             if request is None or request.is_finished or request.status != RequestStatus.RUNNING:
                 continue  # aborted between schedule and update
-            request.num_computed_tokens += seq.num_tokens
-            self.kv.cache_full_blocks(request)
             new_tokens = sampled.get(seq.request_id) or []
+            status = None
             for token in new_tokens:
                 request.output_token_ids.append(token)
                 status = self.check_stop(request)
                 if status is not None:
-                    self.running.remove(request)
-                    self._finish(request, status)
                     break
+            num_computed = request.num_computed_tokens + seq.num_tokens
+            if seq.num_spec_tokens:
+                # speculative decode: `new_tokens` = accepted proposals + one more; the rejected
+                # proposals' K/V are rolled back (their slots are rewritten next step, their
+                # blocks trimmed below). A stop inside the chunk ends the request anyway.
+                num_computed = min(num_computed, request.num_tokens - 1)
+                request.spec_token_ids.clear()
+            request.num_computed_tokens = num_computed
+            self.kv.cache_full_blocks(request)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            elif seq.num_spec_tokens:
+                self.kv.trim(request.request_id, request.num_tokens)
             if new_tokens:
                 touched.append(request)
         return touched

@@ -20,9 +20,10 @@ demo: $(STAMP)
 	$(BIN)/firstlight models pull smollm2-135m
 	$(BIN)/firstlight generate --model smollm2-135m --prompt "The capital of France is" --max-tokens 24 --temperature 0
 
-# Everything but tests marked slow or device; includes parity on the real SmolLM2-135M.
+# Everything but tests marked slow or device; includes parity on the real SmolLM2-135M and Gemma 3 270M.
 test: $(STAMP)
 	$(BIN)/firstlight models pull smollm2-135m
+	$(BIN)/firstlight models pull gemma3-270m
 	$(BIN)/python -m pytest -p no:cacheprovider
 
 # The slow tier: real-model checks of every stage (Gemma 3, SmolLM2 on every target, load tests).

@@ -214,15 +214,22 @@ class CausalLM(nn.Module):
         return self.embed_tokens(input_ids)
 
     def forward_hidden(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | None = None,
+        num_layers: int | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [B, S] → final-normed hidden states [B, S, E]."""
+        """input_ids, positions: [B, S] → final-normed hidden states [B, S, E].
+
+        num_layers runs only the first layers (an early-exit self-speculative draft).
+        """
         cache = NoCache() if cache is None else cache
         x = self.embed(input_ids)  # x: [B, S, E]
         key_positions = cache.begin(positions)  # [B, L]
         rope = self.rope_tables(positions, x.dtype)
         masks = self.masks(positions, key_positions, allow_shortcuts=True)
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             x = layer(x, rope, masks, cache)
         cache.end()
         return self.norm(x)

@@ -64,14 +64,7 @@ class TruncatedModel(nn.Module):
         self.num_layers = num_layers
 
     def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
-        t = self.target
-        x = t.embed(input_ids)  # x: [B, S, E]
-        key_positions = cache.begin(positions)
-        rope, masks = t.rope_tables(positions, x.dtype), t.masks(positions, key_positions)
-        for layer in t.layers[: self.num_layers]:
-            x = layer(x, rope, masks, cache)
-        cache.end()
-        return t.norm(x)
+        return self.target.forward_hidden(input_ids, positions, cache, num_layers=self.num_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target.compute_logits(hidden)

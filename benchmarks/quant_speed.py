@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import time
 
@@ -103,11 +104,14 @@ def main() -> None:
         rows.append(row)
         del model
     ref = rows[0]
+    load = os.getloadavg()  # the machine may be shared: say how busy it was
     if args.json:
-        print(json.dumps({"model": str(path), "threads": args.threads, "copy_bandwidth_gbs": bandwidth, "rows": rows}, indent=2))
+        print(json.dumps({"model": str(path), "threads": args.threads, "copy_bandwidth_gbs": bandwidth,
+                          "load_average": load, "rows": rows}, indent=2))
         return
     print(f"{path.name}, {args.threads} threads, prompt {len(prompt)} tokens, {args.new_tokens} decode steps x "
-          f"{args.repeats} runs (median step); copy bandwidth {bandwidth:.1f} GB/s")
+          f"{args.repeats} runs (median step); copy bandwidth {bandwidth:.1f} GB/s; "
+          f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} CPUs")
     header = f"{'format':<14}{'weights MiB':>12}{'vs ' + ref['format']:>9}"
     for b in batches:
         header += f"{'tok/s b' + str(b):>12}{'speedup':>9}"

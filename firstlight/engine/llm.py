@@ -20,7 +20,7 @@ def load(
     from firstlight.models.loader import load_model
 
     model, tokenizer = load_model(resolve(str(name_or_path)), dtype=dtype)
-    apply_quantization(model, quantization)
+    apply_quantization(model, quantization, tokenizer=tokenizer)
     return model, tokenizer
 
 

@@ -21,6 +21,8 @@ THREADS = typer.Option(0, help="torch threads (0 = torch's default).")
 GROUP_SIZE = typer.Option(32, help="int4 only: input channels per scale (32, 64, 128, 256).")
 SKIP_LM_HEAD = typer.Option(False, help="Keep the output projection unquantized.")
 JSON_OUT = typer.Option(False, "--json", help="Print one JSON object instead of a table.")
+METHOD = typer.Option("auto", help="auto (each format's best measured: GPTQ for int8 and fp8, round-to-nearest for int4), rtn or gptq.")
+CALIBRATION = typer.Option("shakespeare", help="GPTQ calibration corpus (any part sharing a line with hamlet-sample is dropped).")
 
 
 def _formats(quantization: str) -> list[str]:
@@ -33,10 +35,12 @@ def _formats(quantization: str) -> list[str]:
 
 
 def _run(model: str, quantization: str, corpus: str, max_tokens: int, window: int, stride: int, dtype: str,
-         threads: int, group_size: int, skip_lm_head: bool, with_kl: bool, as_json: bool) -> None:
+         threads: int, group_size: int, skip_lm_head: bool, with_kl: bool, as_json: bool,
+         method: str = "auto", calibration: str = "shakespeare") -> None:
     import torch
 
     from firstlight.engine.quant import get_format
+    from firstlight.engine.quant.calibrated import DEFAULT_METHODS, calibration_token_ids, default_cache_dir
     from firstlight.engine.quant.quality import corpus_ids, evaluate_formats
     from firstlight.errors import FirstlightError
     from firstlight.models import hub
@@ -44,6 +48,8 @@ def _run(model: str, quantization: str, corpus: str, max_tokens: int, window: in
 
     if not 1 <= stride < window:
         raise FirstlightError(f"--stride {stride} must be in 1..{window - 1} (below --window {window})")
+    if method not in ("auto", "rtn", "gptq"):
+        raise FirstlightError(f"--method '{method}' must be auto, rtn or gptq")
     if threads:
         torch.set_num_threads(threads)
     formats = _formats(quantization)
@@ -53,7 +59,11 @@ def _run(model: str, quantization: str, corpus: str, max_tokens: int, window: in
     net, tokenizer = load_model(path, dtype=dtype)
     ids = corpus_ids(tokenizer, corpus, max_tokens)
     opts = {"int4": {"group_size": group_size}}
-    opts = {f: {**opts.get(f, {}), "skip_lm_head": skip_lm_head} for f in formats}
+    methods = {f: DEFAULT_METHODS.get(f, "rtn") if method == "auto" else method for f in formats}
+    cal = calibration_token_ids(tokenizer, calibration) if "gptq" in methods.values() else []
+    gptq = {"calibration_ids": cal, "calibration_name": calibration, "cache_dir": default_cache_dir()}
+    opts = {f: {**opts.get(f, {}), "skip_lm_head": skip_lm_head, "method": methods[f],
+                **(gptq if methods[f] == "gptq" else {})} for f in formats}
     base, results = evaluate_formats(net, ids, formats, window=window, stride=stride, with_kl=with_kl, quant_opts=opts)
     rows = [base, *results]
     if as_json:
@@ -61,12 +71,13 @@ def _run(model: str, quantization: str, corpus: str, max_tokens: int, window: in
                           "threads": torch.get_num_threads(), "results": [r.to_dict() for r in rows]}, indent=2))
         return
     table = Table(title=f"{path.name} on {corpus}: {base.num_tokens} tokens scored, window {window}, stride {stride}")
-    for col in ("quantization", "perplexity", "ratio", "goal", "mean KL (nats)", "weights MiB", "kernel"):
+    for col in ("quantization", "method", "perplexity", "ratio", "goal", "mean KL (nats)", "weights MiB", "kernel"):
         table.add_column(col)
     for r in rows:
         goal = "" if r.goal is None else f"<= {r.goal} " + ("[green]ok[/]" if r.passed else "[red]missed[/]")
         kl = "" if r.format == "none" or not with_kl else f"{r.mean_kl:.5f}"
-        table.add_row(r.format if r.format != "none" else f"none ({dtype})", f"{r.perplexity:.4f}",
+        table.add_row(r.format if r.format != "none" else f"none ({dtype})", "" if r.format == "none" else r.method,
+                      f"{r.perplexity:.4f}",
                       f"{r.ppl_ratio:.5f}", goal, kl, f"{r.weight_bytes / 2**20:.1f}", r.kernel)
     Console().print(table)
 
@@ -85,9 +96,12 @@ def ppl(
     skip_lm_head: bool = SKIP_LM_HEAD,
     kl: bool = typer.Option(True, help="Also compute mean KL vs the unquantized model."),
     as_json: bool = JSON_OUT,
+    method: str = METHOD,
+    calibration: str = CALIBRATION,
 ) -> None:
     """Perplexity on an offline text; with --quantization, also the ratio (and KL) vs unquantized."""
-    _run(model, quantization, corpus, max_tokens, window, stride, dtype, threads, group_size, skip_lm_head, kl, as_json)
+    _run(model, quantization, corpus, max_tokens, window, stride, dtype, threads, group_size, skip_lm_head, kl, as_json,
+         method, calibration)
 
 
 @app.command("kl")
@@ -103,10 +117,13 @@ def kl_cmd(
     group_size: int = GROUP_SIZE,
     skip_lm_head: bool = SKIP_LM_HEAD,
     as_json: bool = JSON_OUT,
+    method: str = METHOD,
+    calibration: str = CALIBRATION,
 ) -> None:
     """Mean KL(unquantized || quantized) per token, with both perplexities and their ratio."""
     from firstlight.errors import FirstlightError
 
     if not _formats(quantization):
         raise FirstlightError("--quantization must name a format (int8, int4, fp8 or 'all'), not 'none'")
-    _run(model, quantization, corpus, max_tokens, window, stride, dtype, threads, group_size, skip_lm_head, True, as_json)
+    _run(model, quantization, corpus, max_tokens, window, stride, dtype, threads, group_size, skip_lm_head, True, as_json,
+         method, calibration)

@@ -81,7 +81,7 @@ def generate(
         # A CLI-level composition: the model library itself never imports the engine.
         from firstlight.engine.quant import apply_quantization
 
-        err.print(f"[dim]{apply_quantization(net, quantization).summary()}[/]")
+        err.print(f"[dim]{apply_quantization(net, quantization, tokenizer=tokenizer).summary()}[/]")
     if chat:
         if not tokenizer.chat_template:
             raise typer.BadParameter(f"{path} has no chat template; drop --chat", param_hint="--chat")

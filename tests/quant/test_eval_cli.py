@@ -13,14 +13,21 @@ from firstlight.eval.cli import app
 runner = CliRunner()
 
 
-def test_ppl_with_quantization_prints_ratio_and_kl(tiny_dirs):
+def test_ppl_with_quantization_prints_ratio_and_kl(tiny_dirs, tmp_path, monkeypatch):
+    monkeypatch.setenv("FIRSTLIGHT_HOME", str(tmp_path))  # the GPTQ cache goes there
+    calib = tmp_path / "calib.txt"
+    calib.write_text("Some calibration text that is not the evaluation text, repeated a while. " * 40)
     res = runner.invoke(app, ["ppl", "--model", str(tiny_dirs["llama"]), "--quantization", "int8,fp8",
-                              "--max-tokens", "200", "--window", "64", "--stride", "32", "--json"])
+                              "--max-tokens", "200", "--window", "64", "--stride", "32", "--json",
+                              "--calibration", str(calib)])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     rows = {r["format"]: r for r in out["results"]}
     assert set(rows) == {"none", "int8", "fp8"}
     assert rows["none"]["ppl_ratio"] == 1.0 and rows["none"]["num_tokens"] == 199
+    assert rows["int8"]["method"] == "gptq" and "calib.txt" in rows["int8"]["calibration"]  # the default per format
+    assert rows["fp8"]["method"] == "gptq"
+    assert list((tmp_path / "cache" / "quant").glob("gptq-int8-*.safetensors"))
     for fmt in ("int8", "fp8"):
         r = rows[fmt]
         assert r["ppl_ratio"] == pytest.approx(r["perplexity"] / rows["none"]["perplexity"])

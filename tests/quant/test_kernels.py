@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from firstlight.engine.quant import get_format
+from firstlight.engine.quant import QuantizationError, get_format
 from firstlight.engine.quant.fp8 import FP8_MAX, quantize_fp8
 from firstlight.engine.quant.int4 import dequantize_groupwise_int4, quantize_groupwise_int4
 from firstlight.engine.quant.int8 import quantize_per_channel_int8
@@ -36,8 +36,9 @@ def test_int8_kernel_equals_dequantized_reference(compute_dtype):
     lin = _linear(96, 64)
     q = get_format("int8", compute_dtype=compute_dtype).quantize_linear(lin)
     x = torch.randn(2, 5, 64)
-    codes, scale = quantize_per_channel_int8(lin.weight)
-    assert torch.equal(q.qweight, codes)
+    # codes are chosen against the scale as the kernel stores it (bf16 on the default CPU path)
+    codes, scale = quantize_per_channel_int8(lin.weight, scale_dtype=getattr(torch, compute_dtype))
+    assert torch.equal(q.qweight, codes) and torch.equal(q.scales.float(), scale)
     # Reference: the same activations and scales (in the compute dtype), an fp32 matmul.
     cast = _bf16 if compute_dtype == "bfloat16" else (lambda t: t)
     ref = cast(x) @ (codes.float() * cast(scale)[:, None]).t() + lin.bias
@@ -63,9 +64,11 @@ def test_int8_error_vs_fp32_within_step_bound():
 def test_int4_kernel_equals_dequantized_reference():
     lin = _linear(64, 128)
     q = get_format("int4", group_size=32, clip_search=True).quantize_linear(lin)
-    codes, scale, zero = quantize_groupwise_int4(lin.weight, 32, clip_search=True)
+    # codes are chosen against the bf16 scales and zeros the kernel stores
+    codes, scale, zero = quantize_groupwise_int4(lin.weight, 32, clip_search=True, param_dtype=torch.bfloat16)
     assert int(codes.min()) >= 0 and int(codes.max()) <= 15
-    w_ref = dequantize_groupwise_int4(codes, _bf16(scale), _bf16(zero), 32)  # scales stored in bf16
+    assert torch.equal(_bf16(scale), scale) and torch.equal(_bf16(zero), zero)
+    w_ref = dequantize_groupwise_int4(codes, scale, zero, 32)
     x = torch.randn(3, 7, 128)
     ref = _bf16(x) @ w_ref.t() + lin.bias
     out = q(x)
@@ -115,7 +118,7 @@ def test_fp8_round_trip_scaling_and_clamping():
 @pytest.mark.parametrize("weight_scaling,act_scaling", [("channel", "token"), ("tensor", "tensor"), ("channel", "tensor")])
 def test_fp8_emulation_and_scaled_mm_agree_and_bound_error(weight_scaling, act_scaling):
     lin = _linear(48, 64)
-    emu = get_format("fp8", weight_scaling=weight_scaling, act_scaling=act_scaling).quantize_linear(lin)
+    emu = get_format("fp8", weight_scaling=weight_scaling, act_scaling=act_scaling, block_size=0).quantize_linear(lin)
     smm = get_format("fp8", weight_scaling=weight_scaling, act_scaling=act_scaling, kernel="scaled_mm").quantize_linear(lin)
     x = torch.randn(4, 64)
     # Reference: dequantize both operands explicitly, fp32 matmul.
@@ -132,3 +135,32 @@ def test_formats_keep_leading_dims_and_no_bias():
     for name in ("int8", "int4", "fp8"):
         out = get_format(name).quantize_linear(lin)(x)
         assert out.shape == (2, 3, 64) and torch.isfinite(out).all()
+
+
+def test_fp8_block_scaling_matches_reference_and_beats_per_channel_with_an_outlier_channel():
+    torch.manual_seed(5)
+    lin = _linear(64, 128)
+    x = torch.randn(6, 128)
+    x[:, 3] *= 300  # one outlier channel: per-token scaling pushes the others toward subnormals
+    block = get_format("fp8", block_size=32).quantize_linear(lin)
+    plain = get_format("fp8", block_size=0).quantize_linear(lin)
+    assert block.weight_scale.shape == (64, 4) and "32" in block.kernel
+    # reference: each operand quantized per (row, 32-block) by hand
+    def fq(t):
+        b = t.reshape(t.shape[0], -1, 32)
+        s = (b.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12)
+        return ((b / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s).reshape(t.shape)
+    ref = fq(x) @ fq(lin.weight.detach()).t() + lin.bias
+    torch.testing.assert_close(block(x), ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(block.dequantized_weight(), fq(lin.weight.detach()))
+    exact = lin(x)
+    assert _rel(block(x), exact) < _rel(plain(x), exact)
+
+
+def test_fp8_block_size_errors():
+    with pytest.raises(QuantizationError, match="block_size"):
+        get_format("fp8", block_size=48)
+    with pytest.raises(QuantizationError, match="emulate"):
+        get_format("fp8", block_size=32, kernel="scaled_mm")
+    with pytest.raises(QuantizationError, match="multiple of block_size"):
+        get_format("fp8", block_size=32).quantize_linear(_linear(8, 48))

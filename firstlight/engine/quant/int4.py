@@ -32,35 +32,67 @@ N_MULTIPLE = 16  # the CPU packing needs N % 16 == 0
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 
 
+def fit_int4_groups(
+    groups: torch.Tensor, clip_search: bool = False, param_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """groups [..., G] -> (scale, zero) [...] fp32, each rounded to `param_dtype`, the dtype the kernel
+    stores them in (bf16 on CPU): codes are then chosen against the values the kernel really uses.
+
+    scale = (hi - lo) / 15 and zero = lo + 8 * scale (the value code 8 stands for). With clip_search,
+    the range [lo, hi] is shrunk by the ratio in CLIP_RATIOS that gives the least squared error (the
+    data-free form of AWQ's clip search, Lin et al. 2024).
+    """
+    lo0, hi0 = groups.amin(dim=-1), groups.amax(dim=-1)
+    best = None
+    for ratio in CLIP_RATIOS if clip_search else (1.0,):
+        scale = ((hi0 - lo0) * ratio / 15).clamp(min=1e-8).to(param_dtype).float()
+        zero = (lo0 * ratio + 8 * scale).to(param_dtype).float()
+        err = ((round_int4(groups, scale[..., None], zero[..., None]) - groups) ** 2).sum(-1)
+        if best is None:
+            best = (err, scale, zero)
+        else:
+            better = err < best[0]
+            best = tuple(torch.where(better, new, old) for new, old in zip((err, scale, zero), best, strict=True))
+    return best[1], best[2]
+
+
+def int4_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Nearest code 0..15 of w under W~ = (Q - 8) * scale + zero (scale, zero broadcast to w)."""
+    return (torch.round((w - zero) / scale) + 8).clamp(0, 15)
+
+
+def round_int4(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return (int4_codes(w, scale, zero) - 8) * scale + zero
+
+
+class Int4GroupGrid:
+    """The int4 grid for GPTQ: scale and zero per group of `group_size` input channels per row."""
+
+    def __init__(self, group_size: int, param_dtype: torch.dtype = torch.float32, clip_search: bool = False) -> None:
+        self.group_size, self.param_dtype, self.clip_search = group_size, param_dtype, clip_search
+
+    def fit(self, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return fit_int4_groups(w, self.clip_search, self.param_dtype)  # each [N]
+
+    def round(self, w: torch.Tensor, params: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        scale, zero = params
+        return round_int4(w, scale[:, None], zero[:, None])
+
+
 def quantize_groupwise_int4(
-    w: torch.Tensor, group_size: int, clip_search: bool = False
+    w: torch.Tensor, group_size: int, clip_search: bool = False, param_dtype: torch.dtype = torch.float32,
+    params: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w [N, K] -> (Q [N, K] int32 in 0..15, scale [K/G, N], zero [K/G, N]) in fp32.
 
-    With clip_search, each group's range [lo, hi] is shrunk by the ratio in CLIP_RATIOS that gives
-    the least squared error (the outliers it clips cost less than the finer step saves everyone
-    else; the data-free form of AWQ's clip search, Lin et al. 2024). Off by default: on SmolLM2-135M
-    it lowered perplexity slightly (ratio 1.0675 -> 1.0655) but raised mean KL (0.057 -> 0.071).
+    params: (scale, zero) each [N, K/G], given by a calibrated method (GPTQ); else fitted per group
+    by min/max (see fit_int4_groups). On SmolLM2-135M, whose weights come from a Q4_1 GGUF (blocks of
+    32 input channels, w = d * q + m), min/max in groups of 32 finds each block's own grid again.
     """
     n, k = w.shape
     groups = w.detach().float().reshape(n, k // group_size, group_size)  # [N, K/G, G]
-    lo0, hi0 = groups.amin(dim=-1), groups.amax(dim=-1)  # [N, K/G]
-    best_err = best_lo = best_hi = None
-    for ratio in CLIP_RATIOS if clip_search else (1.0,):
-        lo, hi = lo0 * ratio, hi0 * ratio
-        scale = ((hi - lo) / 15).clamp(min=1e-8)
-        q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15)
-        err = ((q * scale[..., None] + lo[..., None] - groups) ** 2).sum(-1)  # [N, K/G]
-        if best_err is None:
-            best_err, best_lo, best_hi = err, lo, hi
-        else:
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best_lo, best_hi = torch.where(better, lo, best_lo), torch.where(better, hi, best_hi)
-    lo, hi = best_lo, best_hi
-    scale = ((hi - lo) / 15).clamp(min=1e-8)
-    q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
-    zero = lo + 8 * scale
+    scale, zero = fit_int4_groups(groups, clip_search, param_dtype) if params is None else params  # [N, K/G]
+    q = int4_codes(groups, scale[..., None], zero[..., None]).to(torch.int32)
     return q.reshape(n, k), scale.t().contiguous(), zero.t().contiguous()
 
 
@@ -81,12 +113,14 @@ def _inner_k_tiles(k: int) -> int:
 
 class Int4WeightOnlyLinear(QuantizedModule):
     def __init__(
-        self, linear: nn.Linear, group_size: int, compute_dtype: torch.dtype, kernel: str, clip_search: bool = True
+        self, linear: nn.Linear, group_size: int, compute_dtype: torch.dtype, kernel: str, clip_search: bool = False,
+        params: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
+        """params: (scale, zero) each [N, K/G] from a calibrated method (GPTQ)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.group_size, self.compute_dtype, self.kernel = group_size, compute_dtype, kernel
-        q, scale, zero = quantize_groupwise_int4(linear.weight, group_size, clip_search)
+        q, scale, zero = quantize_groupwise_int4(linear.weight, group_size, clip_search, compute_dtype, params)
         self.on_cuda = linear.weight.device.type == "cuda"
         if self.on_cuda:
             packed_bytes = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # [N, K/2]
@@ -152,9 +186,14 @@ class Int4WeightOnly(QuantFormat):
         if n % N_MULTIPLE:
             raise QuantizationError(f"int4: out_features {n} is not a multiple of {N_MULTIPLE} (packed kernel layout); skip this layer")
 
-    def quantize_linear(self, linear: nn.Linear) -> nn.Module:
+    def grid(self, device: torch.device, dtype: torch.dtype) -> Int4GroupGrid:
+        cdt = resolve_compute_dtype(self.compute_dtype, device, dtype, torch.bfloat16)
+        return Int4GroupGrid(self.group_size, cdt, self.clip_search)
+
+    def quantize_linear(self, linear: nn.Linear, params: tuple[torch.Tensor, ...] | None = None) -> nn.Module:
         device, dtype = linear.weight.device, linear.weight.dtype
         kernel = self.kernel_path(device, dtype)
         self.check_linear(linear)
         cdt = resolve_compute_dtype(self.compute_dtype, device, dtype, torch.bfloat16)
-        return Int4WeightOnlyLinear(linear, self.group_size, cdt, kernel, self.clip_search)
+        p = None if params is None else (params[0], params[1])
+        return Int4WeightOnlyLinear(linear, self.group_size, cdt, kernel, self.clip_search, p)

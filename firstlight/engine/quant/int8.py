@@ -25,20 +25,47 @@ from firstlight.engine.quant.registry import QuantFormat, QuantizationError, reg
 QMAX = 127.0
 
 
-def quantize_per_channel_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (Q [N, K] int8, scale [N] fp32), symmetric, one scale per row."""
+def int8_scales(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One symmetric scale per row of w [N, K]: max |W[n, :]| / 127, rounded to the dtype the
+    kernel stores it in (so codes are chosen against the scale the kernel will really use)."""
+    return (w.detach().float().abs().amax(dim=1) / QMAX).clamp(min=1e-12).to(scale_dtype).float()
+
+
+def quantize_per_channel_int8(
+    w: torch.Tensor, scale: torch.Tensor | None = None, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (Q [N, K] int8, scale [N] fp32), symmetric, one scale per row (given or fitted)."""
     w32 = w.detach().float()
-    scale = (w32.abs().amax(dim=1) / QMAX).clamp(min=1e-12)
+    scale = int8_scales(w32, scale_dtype) if scale is None else scale.float()
     q = torch.round(w32 / scale[:, None]).clamp(-QMAX, QMAX).to(torch.int8)
     return q, scale
 
 
+class Int8ChannelGrid:
+    """The int8 grid for GPTQ: symmetric, one scale per output channel, fitted on the whole row."""
+
+    group_size = None
+
+    def __init__(self, scale_dtype: torch.dtype = torch.float32) -> None:
+        self.scale_dtype = scale_dtype
+
+    def fit(self, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (int8_scales(w, self.scale_dtype),)
+
+    def round(self, w: torch.Tensor, params: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        s = params[0][:, None]
+        return torch.round(w / s).clamp(-QMAX, QMAX) * s
+
+
 class Int8WeightOnlyLinear(QuantizedModule):
-    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype, kernel: str) -> None:
+    def __init__(
+        self, linear: nn.Linear, compute_dtype: torch.dtype, kernel: str, params: tuple[torch.Tensor, ...] | None = None
+    ) -> None:
+        """params: (scale [N],) from a calibrated method (GPTQ, whose weights already lie on that grid)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.compute_dtype, self.kernel = compute_dtype, kernel
-        q, scale = quantize_per_channel_int8(linear.weight)
+        q, scale = quantize_per_channel_int8(linear.weight, None if params is None else params[0], compute_dtype)
         self.register_buffer("qweight", q)  # [N, K] int8
         self.register_buffer("scales", scale.to(compute_dtype))  # [N]
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
@@ -98,9 +125,12 @@ class Int8WeightOnly(QuantFormat):
             raise unsupported(self.name, device, dtype, "aten._weight_int8pack_mm has CPU and CUDA kernels only")
         return f"aten._weight_int8pack_mm ({device.type}, {str(cdt).removeprefix('torch.')} activations)"
 
-    def quantize_linear(self, linear: nn.Linear) -> nn.Module:
+    def grid(self, device: torch.device, dtype: torch.dtype) -> Int8ChannelGrid:
+        return Int8ChannelGrid(resolve_compute_dtype(self.compute_dtype, device, dtype, torch.bfloat16))
+
+    def quantize_linear(self, linear: nn.Linear, params: tuple[torch.Tensor, ...] | None = None) -> nn.Module:
         device, dtype = linear.weight.device, linear.weight.dtype
         cdt = resolve_compute_dtype(self.compute_dtype, device, dtype, torch.bfloat16)
         if linear.weight.ndim != 2:
             raise QuantizationError(f"int8: expected a 2-D weight, got {tuple(linear.weight.shape)}")
-        return Int8WeightOnlyLinear(linear, cdt, self.kernel_path(device, dtype))
+        return Int8WeightOnlyLinear(linear, cdt, self.kernel_path(device, dtype), params)

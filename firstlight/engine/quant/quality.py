@@ -23,6 +23,8 @@ class QualityResult:
     weight_bytes: int
     kernel: str
     goal: float | None = None
+    method: str = "rtn"
+    calibration: str = ""
 
     @property
     def passed(self) -> bool | None:
@@ -71,6 +73,7 @@ def evaluate_formats(
         ppl = perplexity(qmodel, ids, window=window, stride=stride)
         kl = mean_kl(model, qmodel, ids, window=window) if with_kl else float("nan")
         results.append(QualityResult(fmt, ppl.perplexity, ppl.perplexity / ref_ppl.perplexity, kl, ppl.num_tokens,
-                                     report.weight_bytes_after, report.kernel, PPL_RATIO_GOALS.get(fmt)))
+                                     report.weight_bytes_after, report.kernel, PPL_RATIO_GOALS.get(fmt),
+                                     report.method, report.calibration))
         del qmodel
     return base, results

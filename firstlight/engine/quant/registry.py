@@ -42,8 +42,13 @@ class QuantFormat:
     def check_linear(self, linear: nn.Linear) -> None:
         """Raise QuantizationError if this layer's shape cannot be stored in this format."""
 
-    def quantize_linear(self, linear: nn.Linear) -> nn.Module:
+    def quantize_linear(self, linear: nn.Linear, params: tuple[torch.Tensor, ...] | None = None) -> nn.Module:
+        """The quantized layer; `params` are grid parameters chosen by a calibrated method (GPTQ)."""
         raise NotImplementedError
+
+    def grid(self, device: torch.device, dtype: torch.dtype) -> Any:
+        """The rounding grid GPTQ works on (gptq.Grid); formats without one cannot be calibrated."""
+        raise QuantizationError(f"format '{self.name}' has no grid for calibrated methods; use method 'rtn'")
 
 
 def register_format(cls: type[QuantFormat]) -> type[QuantFormat]:

@@ -20,6 +20,7 @@ def verify(
     ppl_tokens: int = typer.Option(256, help="Tokens of the bundled text for perplexity (0: skip)."),
     tolerance: Path | None = typer.Option(None, help="JSON tolerance overrides (see docs/VERIFY.md)."),
     threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
+    quantization: str = typer.Option("none", help="Quantize our model first: none, int8, int4, fp8."),
 ) -> None:
     """Check a model on a target against the HF reference; localize the first failing op."""
     from rich.console import Console
@@ -28,7 +29,7 @@ def verify(
 
     err = Console(stderr=True)
     try:
-        result = _run(model, target, dtype, prompt_file, new_tokens, ppl_tokens, tolerance, threads)
+        result = _run(model, target, dtype, prompt_file, new_tokens, ppl_tokens, tolerance, threads, quantization)
     except FirstlightError as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2) from None
@@ -47,13 +48,13 @@ def verify(
 
 
 def _run(model: str, target: str, dtype: str, prompt_file: Path | None, new_tokens: int, ppl_tokens: int,
-         tolerance: Path | None, threads: int):  # -> VerifyResult
+         tolerance: Path | None, threads: int, quantization: str = "none"):  # -> VerifyResult
     import torch
 
     from firstlight.data import load_text
     from firstlight.errors import FirstlightError
     from firstlight.models.hub import resolve
-    from firstlight.models.loader import load_tokenizer, parse_dtype
+    from firstlight.models.loader import load_model, load_tokenizer, parse_dtype
     from firstlight.targets.registry import get_target
     from firstlight.verify.harness import DEFAULT_PROMPT, VerifyConfig, run_verify
     from firstlight.verify.tolerance import TolerancePolicy
@@ -80,4 +81,10 @@ def _run(model: str, target: str, dtype: str, prompt_file: Path | None, new_toke
         policy = policy.with_file(tolerance)
     ppl_ids = tok(load_text("hamlet-sample"))["input_ids"] if ppl_tokens else None
     cfg = VerifyConfig(new_tokens=new_tokens, ppl_tokens=ppl_tokens)
-    return run_verify(path, tgt, target, prompt_ids, cfg, policy, ppl_ids=ppl_ids)
+    ours = None
+    if quantization != "none":
+        from firstlight.engine.quant import apply_quantization
+
+        ours, _ = load_model(path, dtype=torch_dtype, with_tokenizer=False)
+        apply_quantization(ours, quantization, tokenizer=tok)
+    return run_verify(path, tgt, target, prompt_ids, cfg, policy, ppl_ids=ppl_ids, model=ours)

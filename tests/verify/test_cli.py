@@ -79,3 +79,17 @@ def test_prompt_file_is_used(runner, tiny_dirs, tmp_path):
                               "--new-tokens", "3", "--ppl-tokens", "0"])
     assert res.exit_code == 0, res.output
     assert len(json.loads(res.stdout)["tokens"]) == json.loads(res.stdout)["prompt_len"] + 3
+
+
+def test_quantized_model_is_verified_and_its_error_located(runner, tiny_dirs):
+    """int8 weights diverge measurably from the fp32 reference: verify runs and reports a mismatch."""
+    res = _run(runner, "--model", str(tiny_dirs["llama"]), "--target", "eager", "--quantization", "int8", "--json")
+    assert res.exit_code == 1, res.output
+    data = json.loads(res.output.strip().splitlines()[-1])
+    assert data["verdict"] != "match"
+
+
+def test_unknown_quantization_exits_2(runner, tiny_dirs):
+    res = _run(runner, "--model", str(tiny_dirs["llama"]), "--quantization", "int3")
+    assert res.exit_code == 2
+    assert "unknown quantization format 'int3'" in res.output

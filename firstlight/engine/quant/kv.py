@@ -46,7 +46,7 @@ def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
     return (q.float() * scale).to(dtype)
 
 
-class QuantizedKVCache:
+class QuantizedKVCache(ContiguousKVCache):
     """The ContiguousKVCache contract (begin / update / end, firstlight/models/kv_cache.py) with
     K/V held as int8 or FP8 codes + per-(token, head) scales; `update` returns dequantized keys and
     values in `dtype`, so the model's attention is unchanged."""
@@ -63,25 +63,12 @@ class QuantizedKVCache:
         fmt: str = "int8",
     ) -> None:
         code_dtype, _ = kv_format(fmt)
-        shape = (batch_size, num_kv_heads, max_len, head_dim)
+        # self.k / self.v hold the codes: [B, Hkv, max_len, D]
+        super().__init__(num_layers, batch_size, num_kv_heads, head_dim, max_len, code_dtype, device)
         scale_shape = (batch_size, num_kv_heads, max_len, 1)
-
-        def zeros(s: tuple[int, ...], dt: torch.dtype) -> list[torch.Tensor]:
-            return [torch.zeros(s, dtype=dt, device=device) for _ in range(num_layers)]
-
-        self.k, self.v = zeros(shape, code_dtype), zeros(shape, code_dtype)  # [B, Hkv, max_len, D]
-        self.k_scale, self.v_scale = zeros(scale_shape, torch.float32), zeros(scale_shape, torch.float32)
-        self.fmt, self.dtype, self.max_len = fmt, dtype, max_len
-        self.length = 0  # tokens committed
-        self._new = 0  # tokens in the pass being run
-
-    def begin(self, positions: torch.Tensor) -> torch.Tensor:
-        batch, new = positions.shape
-        if self.length + new > self.max_len:
-            raise ValueError(f"KV cache full: {self.length} + {new} tokens > max_len {self.max_len}")
-        self._new = new
-        key_positions = torch.arange(self.length + new, device=positions.device)
-        return key_positions.unsqueeze(0).expand(batch, -1)
+        self.k_scale = [torch.zeros(scale_shape, device=device) for _ in range(num_layers)]
+        self.v_scale = [torch.zeros(scale_shape, device=device) for _ in range(num_layers)]
+        self.fmt, self.dtype = fmt, dtype
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         start, end = self.length, self.length + self._new
@@ -92,10 +79,6 @@ class QuantizedKVCache:
         k_all = dequantize_kv(self.k[layer][:, :, :end], self.k_scale[layer][:, :, :end], self.dtype)
         v_all = dequantize_kv(self.v[layer][:, :, :end], self.v_scale[layer][:, :, :end], self.dtype)
         return k_all, v_all
-
-    def end(self) -> None:
-        self.length += self._new
-        self._new = 0
 
     def storage_bytes(self) -> int:
         tensors = self.k + self.v + self.k_scale + self.v_scale

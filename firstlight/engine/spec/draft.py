@@ -18,37 +18,28 @@ from firstlight.engine.spec.base import Proposal, Proposer, SpecRequest, sample_
 from firstlight.engine.spec.config import SpecConfig
 from firstlight.engine.spec.registry import register
 from firstlight.errors import FirstlightError
+from firstlight.models.kv_cache import ContiguousKVCache
 
 
-class GrowableKVCache:
+class GrowableKVCache(ContiguousKVCache):
     """A batch-1 contiguous KV cache that grows on demand and can be truncated (rollback)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.k: list[torch.Tensor] = [torch.empty(1, num_kv_heads, 0, head_dim, dtype=dtype, device=device)] * num_layers
-        self.v: list[torch.Tensor] = list(self.k)
-        self.length = 0
-        self._new = 0
+        super().__init__(num_layers, 1, num_kv_heads, head_dim, 0, dtype, device)
 
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
 
     def begin(self, positions: torch.Tensor) -> torch.Tensor:
-        self._new = positions.shape[1]
-        return torch.arange(self.length + self._new, device=positions.device).unsqueeze(0)
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self.length + self._new
-        if self.k[layer].shape[2] < end:  # grow to 2x (amortized O(1) per token)
-            cap = max(64, 2 * end)
-            grow = lambda t: torch.cat([t[:, :, : self.length], t.new_zeros(*t.shape[:2], cap - self.length, t.shape[3])], 2)  # noqa: E731
-            self.k[layer], self.v[layer] = grow(self.k[layer]), grow(self.v[layer])
-        self.k[layer][:, :, self.length : end] = k
-        self.v[layer][:, :, self.length : end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
-
-    def end(self) -> None:
-        self.length += self._new
-        self._new = 0
+        needed = self.length + positions.shape[1]
+        if needed > self.max_len:  # grow to 2x (amortized O(1) per token), keeping the committed prefix
+            self.max_len = max(64, 2 * needed)
+            for kv in (self.k, self.v):
+                for i, t in enumerate(kv):
+                    grown = t.new_zeros(*t.shape[:2], self.max_len, t.shape[3])
+                    grown[:, :, : self.length] = t[:, :, : self.length]
+                    kv[i] = grown
+        return super().begin(positions)
 
 
 class TruncatedModel(nn.Module):

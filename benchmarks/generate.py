@@ -13,27 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
-
-
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def copy_bandwidth_gbs(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Achievable read+write bandwidth: a large tensor copy, bytes read + written per second."""
-    src = torch.empty(num_bytes // 4, dtype=torch.float32).normal_()
-    dst = torch.empty_like(src)
-    t = median_time(lambda: dst.copy_(src), repeats)
-    return 2 * num_bytes / t / 1e9
+from _common import copy_bandwidth_gbs, median_time
 
 
 def main() -> None:

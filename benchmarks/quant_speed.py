@@ -22,17 +22,7 @@ import statistics
 import time
 
 import torch
-
-
-def copy_bandwidth_gbs(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
-    src = torch.empty(num_bytes // 4, dtype=torch.float32).normal_()
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return 2 * num_bytes / statistics.median(times) / 1e9
+from _common import copy_bandwidth_gbs
 
 
 def bytes_read_per_token(model: torch.nn.Module) -> int:

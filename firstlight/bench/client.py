@@ -2,11 +2,14 @@
 
 Two backends record the same `RequestRecord`:
 
-* `raw` (default): HTTP/1.1 on asyncio protocols with keep-alive connections. The arrival time of
-  a chunk is read in `data_received`, i.e. straight after the socket became readable, before any
-  parsing or coroutine switch, and a chunk costs one callback, not a task wake-up. This is what
-  keeps the measurement bias under 0.5 ms and the client above 1,000 streamed requests/s on two
-  cores (see docs/BENCH.md and benchmarks/bench_client.py for the same-run comparison).
+* `raw` (default): HTTP/1.1 over keep-alive sockets driven by the asyncio selector, a chunk costs
+  one callback, not a task wake-up. The arrival time of a chunk is the **kernel's receive
+  timestamp** of the data (Linux `SO_TIMESTAMPING`, software RX stamps, read with `recvmsg`), so
+  neither the client's own queue of ready sockets nor the scheduler's delay in waking the client
+  process lands in the measurement. Where the kernel gives no stamp (another OS, TLS) the time is
+  read in the read callback before any parsing. This is what keeps the measurement bias under
+  0.5 ms and the client above 1,000 streamed requests/s on two cores (docs/BENCH.md,
+  benchmarks/bench_client.py).
 * `httpx`: the library client, for servers behind TLS proxies or anything the raw client does
   not speak. Timestamps are taken when `aiter_lines` yields, after httpx's own buffering.
 
@@ -23,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from firstlight.bench.stamped import open_stamped
 from firstlight.errors import FirstlightError
 
 
@@ -141,7 +145,10 @@ class _StreamProtocol(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        t = time.perf_counter()
+        self.feed(data, time.perf_counter())
+
+    def feed(self, data: bytes, t: float) -> None:
+        """Bytes that arrived at perf_counter time `t`."""
         rec = self.rec
         if rec is None or self.done is None or self.done.done():
             return
@@ -278,6 +285,16 @@ class RawClient:
         self.timeout_s = timeout_s
         self.auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
         self.idle: list[_StreamProtocol] = []
+        self.kernel_stamps = 0  # connections whose reads carry the kernel's receive timestamps
+        self.connections = 0
+
+    @property
+    def arrival_clock(self) -> str:
+        if self.connections and self.kernel_stamps == self.connections:
+            return "kernel receive timestamp (SO_TIMESTAMPING)"
+        if self.kernel_stamps:
+            return f"kernel receive timestamp on {self.kernel_stamps} of {self.connections} connections, else read callback"
+        return "read callback (time.perf_counter before parsing)"
 
     def encode(self, path: str, body: dict) -> bytes:
         payload = json.dumps(body).encode()
@@ -297,7 +314,13 @@ class RawClient:
                 break
         if proto is None:
             try:
-                _, proto = await loop.create_connection(_StreamProtocol, self.host, self.port, ssl=self.ssl)
+                if self.ssl is None:
+                    proto = _StreamProtocol()
+                    await open_stamped(loop, self.host, self.port, proto)
+                else:
+                    _, proto = await loop.create_connection(_StreamProtocol, self.host, self.port, ssl=self.ssl)
+                self.connections += 1
+                self.kernel_stamps += bool(getattr(proto.transport, "stamped", False))
             except OSError as e:
                 rec.t_send = rec.t_end = time.perf_counter()
                 rec.error, rec.error_detail = "connect", str(e)
@@ -335,6 +358,8 @@ class RawClient:
 
 class HttpxClient:
     """The same contract on httpx (slower; timestamps after httpx's line buffering)."""
+
+    arrival_clock = "httpx aiter_lines (after httpx's buffering)"
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, api_key: str | None = None) -> None:
         import httpx

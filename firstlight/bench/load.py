@@ -137,6 +137,7 @@ class RunOutput:
     t_start: float
     t_stop: float
     incomplete: int  # requests cut by the drain timeout (not measured)
+    arrival_clock: str = ""  # what a chunk's arrival time is (the client's `arrival_clock`)
 
 
 class Runner:

@@ -3,7 +3,8 @@
 The bench client is calibrated against it: since the server knows when it meant to send every
 chunk (and stamps when it did), any difference the client measures is the client's own bias.
 
-Timing model (per streamed request, t = 0 when the full request has been read):
+Timing model (per streamed request, t = 0 when the last bytes of the request reached this host: the
+kernel's receive stamp, see firstlight/bench/stamped.py):
   chunk 0 carries 1 token and is written at t = first_token_ms;
   chunk k >= 1 carries up to tokens_per_chunk tokens and is written at
   t = first_token_ms + (tokens sent so far after chunk 0 + tokens in chunk k) * per_token_ms,
@@ -11,7 +12,7 @@ so TTFT = first_token_ms, ITL per token = per_token_ms, ITL per chunk = tokens_p
 per_token_ms and TPOT = per_token_ms exactly (speculative decoding sends multi-token chunks the
 same way: one token from prefill, then k per step).
 
-Written on raw asyncio protocols (no framework) so that one process sustains thousands of streamed
+Written on raw sockets driven by the asyncio selector (no framework) so that one process sustains thousands of streamed
 requests per second and the client under test, not this server, is the bottleneck. asyncio's
 epoll selector rounds timer waits up to whole milliseconds; `PreciseSelector` wakes up to 1 ms
 early and polls for the rest, so chunks leave within tens of microseconds of their schedule.
@@ -27,6 +28,7 @@ import json
 import math
 import random
 import selectors
+import socket
 import subprocess
 import sys
 import time
@@ -34,6 +36,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 
+from firstlight.bench.stamped import serve_stamped
 from firstlight.errors import FirstlightError
 
 _WORDS = [" alpha", " beta", " gamma", " delta", " omega", " sigma", " kappa", " theta"]
@@ -132,8 +135,8 @@ class _Conn(asyncio.Protocol):
             h.cancel()
         self.transport = None
 
-    def data_received(self, data: bytes) -> None:
-        t_now = time.perf_counter()
+    def feed(self, data: bytes, t_now: float) -> None:
+        """Bytes that arrived (kernel receive stamp where the OS gives one) at `t_now`."""
         self.buf += data
         if not self.busy:
             self._next_request(t_now)
@@ -357,14 +360,22 @@ async def serve(cfg: ReferenceConfig, host: str = "127.0.0.1", port: int = 0,
     """Serve until cancelled. `ready` (if given) gets the bound port."""
     srv = ReferenceServer(cfg)
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: _Conn(srv), host, port, backlog=4096, reuse_address=True)
-    bound = server.sockets[0].getsockname()[1]
-    if ready is not None:
-        ready.set_result(bound)
-    else:
-        print(f"READY {bound}", flush=True)
-    async with server:
-        await server.serve_forever()
+    # Requests are read with the kernel's receive stamps too: a request's delays count from when
+    # it reached this host, not from when this process got around to reading it.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(4096)
+        stop = serve_stamped(loop, sock, lambda: _Conn(srv))
+        if ready is not None:
+            ready.set_result(sock.getsockname()[1])
+        else:
+            print(f"READY {sock.getsockname()[1]}", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            stop()
 
 
 @contextmanager

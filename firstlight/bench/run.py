@@ -77,7 +77,8 @@ class RunResult:
             "metrics": self.summary,
             "formulas": FORMULAS,
             "percentile_method": PERCENTILE_METHOD,
-            "clock": {"source": "time.perf_counter (CLOCK_MONOTONIC)", "perf_counter_at_start": self.output.t_start,
+            "clock": {"source": "time.perf_counter (CLOCK_MONOTONIC)", "chunk_arrival": self.output.arrival_clock,
+                      "perf_counter_at_start": self.output.t_start,
                       "unix_time_at_start": time.time() - (time.perf_counter() - self.output.t_start)},
             "calibration": latest_calibration(),
         }
@@ -110,7 +111,9 @@ async def _drive(cfg: RunConfig, workload: Workload, progress: Any) -> RunOutput
         runner = Runner(client, workload, cfg.load, endpoint=cfg.endpoint, model=cfg.model or "",
                         ignore_eos=cfg.ignore_eos, continuous_usage=cfg.continuous_usage,
                         extra_body=cfg.extra_body, progress=progress)
-        return await runner.run()
+        out = await runner.run()
+        out.arrival_clock = client.arrival_clock
+        return out
     finally:
         await client.aclose()
 

@@ -85,3 +85,35 @@ def test_non_streamed_answer_is_a_bad_response():
     body = b'{"choices": [{"text": "hi"}]}'
     rec, _ = _feed([b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)])
     assert rec.error == "bad_response"
+
+
+def test_kernel_time_converts_the_realtime_stamp_to_perf_counter():
+    import socket
+    import struct
+    import time
+
+    from firstlight.bench.stamped import _SO_TIMESTAMPING, kernel_time
+
+    now = time.perf_counter()
+    real = time.time() - 0.010  # a segment stamped 10 ms ago
+    raw = struct.pack("qq", int(real), int((real % 1) * 1e9)) + b"\0" * 32
+    t = kernel_time([(socket.SOL_SOCKET, _SO_TIMESTAMPING, raw)], now)
+    assert abs((now - t) - 0.010) < 0.002
+    assert kernel_time([], now) == now  # no stamp: the callback's time
+    future = time.time() + 5
+    raw = struct.pack("qq", int(future), 0) + b"\0" * 32
+    assert kernel_time([(socket.SOL_SOCKET, _SO_TIMESTAMPING, raw)], now) == now  # never after the read
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="SO_TIMESTAMPING is Linux's")
+def test_chunks_are_stamped_by_the_kernel_after_the_server_sent_them(ref_url, cfg):
+    from firstlight.bench.run import run_benchmark
+
+    res = run_benchmark(cfg(ref_url, n=6, c=3))
+    assert res.output.arrival_clock.startswith("kernel receive timestamp")
+    recs = [r for r in res.output.records if r.ok]
+    assert recs and all(len(r.server_times) == len(r.chunk_times) for r in recs)
+    for r in recs:
+        # causality on one clock: the server stamps a chunk before writing it, the kernel after
+        assert all(c >= s - 2e-4 for c, s in zip(r.chunk_times, r.server_times, strict=True))
+        assert r.server_t0 >= r.t_send - 2e-4

@@ -92,6 +92,38 @@ def test_per_request_configuration(tiny, heads_file, tmp_path):
     assert engine.spec.stats.accepted_per_pos[3] == 0  # nobody asked for more than 3
 
 
+@pytest.mark.parametrize("method", ["ngram", "heads"])
+def test_adaptive_k_is_exact_and_moves_k_with_acceptance(tiny, heads_file, tmp_path, method):
+    """k grows by 2 after an all-accepted step, shrinks by 1 after a rejection, within [1, cap]."""
+    from dataclasses import replace
+
+    model, tok = tiny
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want, _, _ = _run(model, tok, None, greedy)
+    cap = 8 if method == "ngram" else 4  # the heads file has 4 heads
+    spec = replace(_spec(method, heads_file, tmp_path, k=cap), adaptive_k=True)
+    engine = LLMEngine(model, tok, EngineConfig(block_size=4, num_blocks=128, speculative=spec))
+    ids = [engine.add_request(p, greedy).request_id for p in PROMPTS]
+    done, seen = {}, set()
+    while engine.has_unfinished():
+        asked = {r.request_id: engine.spec._k.get(r.request_id, 4) for r in engine.scheduler.running}
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.output_token_ids
+        last = engine.spec.last_step
+        for rid, k in asked.items():
+            now = engine.spec._k.get(rid)
+            if now is not None and last.get("num_drafts"):
+                assert 1 <= now <= cap
+                seen.add(now - k)
+        engine.kv.check_invariants()
+    engine.close()
+    assert [done[i] for i in ids] == want
+    assert -1 in seen  # shrank after a rejection
+    if method == "ngram":
+        assert seen & {1, 2}  # grew after full acceptance
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft-self", "heads"])
 def test_seeded_sampling_reproducible(tiny, heads_file, tmp_path, method):
     model, tok = tiny

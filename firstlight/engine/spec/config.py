@@ -12,7 +12,12 @@ METHODS = ("ngram", "draft", "heads")
 @dataclass(frozen=True)
 class SpecConfig:
     method: str
-    num_spec_tokens: int = 4  # k proposals verified per step
+    num_spec_tokens: int = 4  # k proposals verified per step (with adaptive_k: the most per step)
+    # per request, k moves between 1 and num_spec_tokens with the acceptance it gets: +2 after a
+    # step whose proposals were all accepted, -1 after one with a rejection (HF assisted generation's
+    # "heuristic" schedule). Long runs of correct guesses (copying from the prompt) get verified in
+    # few passes; a request whose guesses fail pays for short verification passes only.
+    adaptive_k: bool = False
     # ngram
     min_ngram: int = 1
     max_ngram: int = 4

@@ -27,6 +27,9 @@ from firstlight.engine.spec.registry import make_proposer
 from firstlight.engine.spec.rejection import rejection_sample
 
 
+ADAPTIVE_K_START = 4  # adaptive_k: a request's first step proposes this many (at most its cap)
+
+
 @dataclass
 class SpecDecodeStats:
     """Counters with vLLM's meaning: a draft = one request's proposals verified in one step."""
@@ -53,6 +56,7 @@ class SpecDecoder:
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_spec_tokens)
         self._q: dict[str, torch.Tensor | None] = {}  # the distributions pending proposals came from
         self._hidden: dict[str, torch.Tensor] = {}  # [E] the hidden state that sampled the last token
+        self._k: dict[str, int] = {}  # adaptive_k: each request's current number of proposals
         self.last_step: dict[str, int] = {}  # this step's counts, for the trace
 
     @property
@@ -64,9 +68,15 @@ class SpecDecoder:
         p = request.sampling_params
         if p.has_penalties or request.num_output_tokens < p.min_tokens or p.logprobs is not None:
             return 0
-        k = self.config.num_spec_tokens if p.num_speculative_tokens is None else p.num_speculative_tokens
+        k = self._cap(request)
+        if self.config.adaptive_k:
+            k = self._k.get(request.request_id, min(k, ADAPTIVE_K_START))
         # all accepted + the bonus token must fit in max_tokens and in the context
         return max(0, min(k, p.max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens - 1))
+
+    def _cap(self, request: Request) -> int:
+        n = request.sampling_params.num_speculative_tokens
+        return self.config.num_spec_tokens if n is None else n
 
     # ---- after the target pass ---------------------------------------------------------------
     @torch.inference_mode()
@@ -106,7 +116,7 @@ class SpecDecoder:
             is_greedy=[r.sampling_params.is_greedy for r in reqs],
             generators=[self.sampler.generator(r) for r in reqs],
         )
-        for rid, k, toks in zip(rids, ks, emitted, strict=True):
+        for req, rid, k, toks in zip(reqs, rids, ks, emitted, strict=True):
             num_accepted = len(toks) - 1
             self.stats.num_drafts += 1
             self.stats.num_draft_tokens += k
@@ -115,6 +125,10 @@ class SpecDecoder:
                 self.stats.accepted_per_pos[pos] += 1
             self.last_step["num_draft_tokens"] += k
             self.last_step["num_accepted_tokens"] += num_accepted
+            if self.config.adaptive_k:  # moves from the k asked for (a proposer may return fewer)
+                cap = self._cap(req)
+                asked = min(cap, self._k.get(rid, min(cap, ADAPTIVE_K_START)))
+                self._k[rid] = min(cap, asked + 2) if num_accepted == k else max(1, asked - 1)
             if rid in exec_out.hidden:
                 self._hidden[rid] = exec_out.hidden[rid][num_accepted]
         return dict(zip(rids, emitted, strict=True))
@@ -144,4 +158,5 @@ class SpecDecoder:
     def free(self, request_id: str) -> None:
         self._q.pop(request_id, None)
         self._hidden.pop(request_id, None)
+        self._k.pop(request_id, None)
         self.proposer.free(request_id)

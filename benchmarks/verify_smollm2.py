@@ -1,12 +1,16 @@
 """Wall time of `verify` on SmolLM2-135M with a planted fault in layer 20 of 30, next to its bound:
 two plain forward passes (reference + target) of the same token sequence. Goal: under 3x.
 
-    .venv/bin/python benchmarks/verify_smollm2.py [--threads 1] [--repeats 3]
+    FIRSTLIGHT_HOME=... .venv/bin/python benchmarks/verify_smollm2.py --threads 1 --repeats 3
 
+Three verify runs per sequence: no continuation (25 tokens); the default 16-token greedy
+continuation cold (`reference_cache=None`: the reference runs `generate`, 16 sequential decode
+steps); and the same warm (the continuation from the reference cache, as in a bring-up loop that
+verifies again against the same reference; the cache lives in a temp dir, filled by the warm-up).
 The HF reference and a fresh copy of our model (the target consumes it: `prepare` hooks it) are
 loaded before each timed run, outside the timed region, as the baseline's two models are. Each
-repeat times the baseline and verify back to back (same load on a shared machine); prints the
-medians, their ratio, and the median time of each verify stage.
+repeat times the baseline, the reference's `generate` alone, and the verify runs back to back
+(same load on a shared machine); prints medians, ratios, and the median time of each verify stage.
 """
 
 from __future__ import annotations
@@ -14,16 +18,22 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import copy_bandwidth_gbs  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--new-tokens", default="0,16", help="greedy continuations to measure, comma separated")
+    ap.add_argument("--new-tokens", type=int, default=16, help="greedy continuation of the cold/warm runs")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -31,52 +41,74 @@ def main() -> None:
     from firstlight.models.loader import load_model, load_tokenizer
     from firstlight.targets.faulty import Fault, FaultyTarget
     from firstlight.verify.harness import DEFAULT_PROMPT, VerifyConfig, load_reference, run_verify
+    from firstlight.verify.refcache import ContinuationCache
 
     path = resolve("smollm2-135m")
     ref = load_reference(path)
     ours, _ = load_model(path, with_tokenizer=False)
     prompt = load_tokenizer(path)(DEFAULT_PROMPT)["input_ids"]
+    cache = ContinuationCache(Path(tempfile.mkdtemp(prefix="verify-cache-")))
 
-    def verify(new_tokens: int):  # -> VerifyResult
+    def verify(new_tokens: int, cached: bool):  # -> (seconds, VerifyResult)
         fault = Fault("scale", op="aten.silu", layer=20, value=1.2)
         model, _ = load_model(path, with_tokenizer=False)  # untimed: the target consumes its model
         t0 = time.perf_counter()
         res = run_verify(path, FaultyTarget(faults=[fault]), "faulty", prompt,
-                         VerifyConfig(new_tokens=new_tokens, ppl_tokens=0), reference=ref, model=model)
+                         VerifyConfig(new_tokens=new_tokens, ppl_tokens=0), reference=ref, model=model,
+                         reference_cache=cache if cached else None)
         return time.perf_counter() - t0, res
 
-    load = os.getloadavg()[0]
-    print(f"machine: {os.cpu_count()} cores, load average {load:.1f}; torch threads {args.threads}; "
+    def generate(new_tokens: int) -> None:
+        ref.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                     eos_token_id=None, pad_token_id=0)
+
+    n = args.new_tokens
+    modes = {"no continuation": (0, False), f"{n}-token continuation, cold": (n, False),
+             f"{n}-token continuation, warm (cached)": (n, True)}
+    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; torch threads {args.threads}; "
           f"medians of {args.repeats} repeats")
-    for new_tokens in (int(n) for n in args.new_tokens.split(",")):
-        _, res = verify(new_tokens)  # warm-up; checks the fault is found
+    seqs = {}
+    for new_tokens, cached in modes.values():  # warm-up; checks the fault is found; fills the cache
+        _, res = verify(new_tokens, cached)
         assert res.culprit and res.culprit["module"] == "layers.20.mlp", res.culprit
-        seq = torch.tensor([res.tokens])
-        bases, gens, vers, stages = [], [], [], []
-        prompt_t = torch.tensor([prompt])
-        for _ in range(args.repeats):
+        seqs[new_tokens] = torch.tensor([res.tokens])
+    times: dict[str, list[float]] = {k: [] for k in (*modes, "base 0", f"base {n}", "generate")}
+    stages: dict[str, list[dict[str, float]]] = {k: [] for k in modes}
+    sources: dict[str, str] = {}
+    for _ in range(args.repeats):
+        for new_tokens, seq in seqs.items():
             t0 = time.perf_counter()
             with torch.no_grad():
                 ref(seq)
                 ours(seq)
-            bases.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            if new_tokens:  # the reference's greedy continuation: sequential decode steps, inherent to the check
-                ref.generate(prompt_t, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-            gens.append(time.perf_counter() - t0)
-            t, res = verify(new_tokens)
-            vers.append(t)
-            stages.append(res.timings_s)
-        base, gen, ver = statistics.median(bases), statistics.median(gens), statistics.median(vers)
-        print(f"seq {seq.shape[1]} tokens (greedy continuation {new_tokens}): verify {ver:.2f} s vs two forward "
-              f"passes {base:.2f} s = {ver / base:.2f}x (goal < 3x); culprit {res.culprit['op']} in "
-              f"{res.culprit['module']} at {res.culprit['source']}")
-        if new_tokens:
-            print(f"  with the reference's {new_tokens}-token greedy generation ({gen:.2f} s) added to the bound: "
-                  f"{ver:.2f} s vs {base + gen:.2f} s = {ver / (base + gen):.2f}x")
-        med = {k: round(statistics.median(s.get(k, 0.0) for s in stages), 3) for k in stages[0]}
-        print(f"  stage medians (s): {med}; isolated units reused: {len(res.isolated_reused)}")
+            times[f"base {new_tokens}"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            generate(n)
+        times["generate"].append(time.perf_counter() - t0)
+        for name, (new_tokens, cached) in modes.items():
+            t, res = verify(new_tokens, cached)
+            times[name].append(t)
+            stages[name].append(res.timings_s)
+            sources[name] = f"{res.reference_continuation['source']} (cache: {res.reference_continuation['cache']})"
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"culprit {res.culprit['op']} in {res.culprit['module']} at {res.culprit['source']}")
+    print(f"{'run':<36} {'seq':>4} {'verify s':>9} {'2 fwd s':>8} {'ratio':>6}  goal < 3x   continuation")
+    for name, (new_tokens, _) in modes.items():
+        ratio = med[name] / med[f"base {new_tokens}"]
+        print(f"{name:<36} {seqs[new_tokens].shape[1]:>4} {med[name]:>9.2f} {med[f'base {new_tokens}']:>8.2f} "
+              f"{ratio:>5.2f}x  {'met' if ratio < 3 else 'NOT met':<9}  {sources[name]}")
+    # The cold run's extra: `n` sequential decode steps, each reading every weight once.
+    weight_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
+    bw = copy_bandwidth_gbs()
+    print(f"reference generate ({n} tokens) alone: {med['generate']:.2f} s; memory bound {n} steps x "
+          f"{weight_bytes / 1e9:.2f} GB weights / {bw:.1f} GB/s copy bandwidth = {n * weight_bytes / bw / 1e9:.2f} s")
+    cold = f"{n}-token continuation, cold"
+    print(f"cold with the generation in the bound: {med[cold]:.2f} s vs "
+          f"{med[f'base {n}'] + med['generate']:.2f} s = {med[cold] / (med[f'base {n}'] + med['generate']):.2f}x")
+    for name in modes:
+        st = {k: round(statistics.median(s.get(k, 0.0) for s in stages[name]), 3) for k in stages[name][0]}
+        print(f"  stage medians (s), {name}: {st}")
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 

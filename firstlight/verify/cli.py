@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import typer
@@ -21,18 +22,27 @@ def verify(
     tolerance: Path | None = typer.Option(None, help="JSON tolerance overrides (see docs/VERIFY.md)."),
     threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
     quantization: str = typer.Option("none", help="Quantize our model first: none, int8, int4, fp8."),
+    no_reference_cache: bool = typer.Option(
+        False, "--no-reference-cache",
+        help="Regenerate the reference's greedy continuation instead of reusing $FIRSTLIGHT_HOME/verify-cache."),
 ) -> None:
     """Check a model on a target against the HF reference; localize the first failing op."""
     from rich.console import Console
 
     from firstlight.errors import FirstlightError
+    from firstlight.verify.refcache import ReferenceCacheWarning
 
     err = Console(stderr=True)
     try:
-        result = _run(model, target, dtype, prompt_file, new_tokens, ppl_tokens, tolerance, threads, quantization)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ReferenceCacheWarning)  # printed below, one line each
+            result = _run(model, target, dtype, prompt_file, new_tokens, ppl_tokens, tolerance, threads, quantization,
+                          reference_cache=not no_reference_cache)
     except FirstlightError as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2) from None
+    for w in result.reference_continuation.get("warnings", []):
+        err.print(f"[yellow]warning:[/] {w}", highlight=False, soft_wrap=True)
     from firstlight.verify.report import print_summary, write_verify_report
 
     data = result.to_dict()
@@ -48,7 +58,8 @@ def verify(
 
 
 def _run(model: str, target: str, dtype: str, prompt_file: Path | None, new_tokens: int, ppl_tokens: int,
-         tolerance: Path | None, threads: int, quantization: str = "none"):  # -> VerifyResult
+         tolerance: Path | None, threads: int, quantization: str = "none",
+         reference_cache: bool = True):  # -> VerifyResult
     import torch
 
     from firstlight.data import load_text
@@ -57,6 +68,7 @@ def _run(model: str, target: str, dtype: str, prompt_file: Path | None, new_toke
     from firstlight.models.loader import load_model, load_tokenizer, parse_dtype
     from firstlight.targets.registry import get_target
     from firstlight.verify.harness import DEFAULT_PROMPT, VerifyConfig, run_verify
+    from firstlight.verify.refcache import ContinuationCache
     from firstlight.verify.tolerance import TolerancePolicy
 
     if threads:
@@ -87,4 +99,5 @@ def _run(model: str, target: str, dtype: str, prompt_file: Path | None, new_toke
 
         ours, _ = load_model(path, dtype=torch_dtype, with_tokenizer=False)
         apply_quantization(ours, quantization, tokenizer=tok)
-    return run_verify(path, tgt, target, prompt_ids, cfg, policy, ppl_ids=ppl_ids, model=ours)
+    cache = ContinuationCache.default() if reference_cache else None
+    return run_verify(path, tgt, target, prompt_ids, cfg, policy, ppl_ids=ppl_ids, model=ours, reference_cache=cache)

@@ -1,7 +1,8 @@
 """`run_verify`: reference vs target, boundary by boundary, logits, then the op that breaks it.
 
-    1. reference (HF, fp32): greedy continuation of the prompt; one forward over prompt +
-       continuation with boundary hooks (one fp32 tensor per boundary, not every op)
+    1. reference (HF, fp32): greedy continuation of the prompt (or its cached tokens, refcache.py);
+       one forward over prompt + continuation with boundary hooks (one fp32 tensor per boundary,
+       not every op)
     2. target: the whole model compiled once → logits (teacher-forced parity, greedy divergence,
        perplexity); boundaries in propagate mode (hooks, or a chain of compiled units)
     3. every unit (embed, each layer, head; for targets without hooks also each layer's
@@ -16,6 +17,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +34,7 @@ from firstlight.verify import units as U
 from firstlight.verify.metrics import compare
 from firstlight.verify.oplevel import culprit, replay
 from firstlight.verify.parity import ppl_token_count, teacher_forced
+from firstlight.verify.refcache import ContinuationCache, ReferenceCacheWarning, continuation_key
 from firstlight.verify.tolerance import TolerancePolicy
 
 DEFAULT_PROMPT = "The capital of France is Paris. The quick brown fox jumps over the lazy dog. To be, or not to be,"
@@ -66,6 +69,7 @@ class VerifyResult:
     timings_s: dict[str, float]
     reasons: list[str] = field(default_factory=list)
     isolated_reused: list[str] = field(default_factory=list)  # units whose propagated input was bit-exact
+    reference_continuation: dict[str, Any] = field(default_factory=dict)  # source: generated | cache | none
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -143,18 +147,83 @@ class _Compiled:
         return run
 
 
-def _reference_pass(ref: nn.Module, ids: list[int], num_layers: int, mid: str, new_tokens: int,
-                    sub_inputs: bool = False) -> tuple[list[int], dict[str, torch.Tensor]]:
-    prompt = torch.tensor([ids])
-    tokens = list(ids)
-    if new_tokens:
-        out = ref.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
-        tokens = out[0].tolist()
+# A cached token that the reference's own full-forward argmax rejects by more than this (nats) marks
+# the entry stale. Generation (KV-cache decode) and the full forward differ by ~5e-5 in fp32 logits
+# (SmolLM2-135M), so an honest entry only disagrees at near-exact ties, far below this.
+STALE_MARGIN = 0.05
+
+
+def _greedy(ref: nn.Module, ids: list[int], new_tokens: int) -> list[int]:
+    """The reference's greedy continuation (HF `generate`, KV cache): `new_tokens` sequential decode steps."""
+    out = ref.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                       eos_token_id=None, pad_token_id=0)
+    return out[0].tolist()[len(ids):]
+
+
+def _reference_forward(ref: nn.Module, tokens: list[int], num_layers: int, mid: str,
+                       sub_inputs: bool) -> dict[str, torch.Tensor]:
+    """One forward over `tokens` with boundary hooks: one fp32 tensor per boundary, and the logits."""
     store: dict[str, torch.Tensor] = {}
     with U.capture(ref, store, hf_module_name, layers=num_layers, mid_norm=mid, sub_inputs=sub_inputs):
         store["logits"] = ref(torch.tensor([tokens])).logits.detach().float()
-    return tokens, store
+    return store
+
+
+def _stale_position(logits: torch.Tensor, tokens: list[int], prompt_len: int) -> int | None:
+    """First continuation position whose token the reference's argmax beats by > STALE_MARGIN (logits: [S, V])."""
+    lp = torch.log_softmax(logits[prompt_len - 1:-1].double(), dim=-1)
+    cont = torch.tensor(tokens[prompt_len:])
+    gap = lp.max(dim=-1).values - lp.gather(-1, cont[:, None]).squeeze(-1)
+    bad = (gap > STALE_MARGIN).nonzero().flatten().tolist()
+    return prompt_len + bad[0] if bad else None
+
+
+def _reference_pass(ref: nn.Module, model_path: str | Path, ids: list[int], num_layers: int, mid: str, new_tokens: int,
+                    sub_inputs: bool = False, cache: ContinuationCache | None = None,
+                    ) -> tuple[list[int], dict[str, torch.Tensor], dict[str, Any]]:
+    """Greedy continuation (from `cache` when it has it), then the hooked forward over prompt + continuation.
+
+    Returns (tokens, boundary tensors, provenance of the continuation for result.json). The hooked
+    forward runs whatever the source of the tokens, so the reference tensors depend on the tokens only.
+    """
+    # cache: disabled | unused (no continuation) | miss | hit | unusable | stale; stored: written this run
+    info: dict[str, Any] = {"new_tokens": new_tokens, "source": "generated" if new_tokens else "none",
+                            "cache": "disabled" if cache is None else "miss", "cache_entry": None, "stored": False}
+    if not new_tokens:
+        info["cache"] = "unused" if cache is not None else "disabled"
+        return list(ids), _reference_forward(ref, ids, num_layers, mid, sub_inputs), info
+    key = None
+    if cache is not None:
+        key = continuation_key(model_path, ids, new_tokens)
+        info["cache_entry"] = str(cache.entry_path(key))
+        cont, problem = cache.load(key, int(ref.config.vocab_size))
+        if problem:
+            info["cache"] = "unusable"
+            _warn_cache(info, problem)
+        if cont is not None:
+            tokens = list(ids) + cont
+            store = _reference_forward(ref, tokens, num_layers, mid, sub_inputs)
+            stale = _stale_position(store["logits"][0], tokens, len(ids))
+            if stale is None:
+                info.update(source="cache", cache="hit")
+                return tokens, store, info
+            info["cache"] = "stale"
+            _warn_cache(info, f"reference cache entry {info['cache_entry']} is stale (token at position {stale} is "
+                              f"not the reference's greedy choice); ignored, regenerating")
+            cache.discard(key)
+    tokens = list(ids) + _greedy(ref, ids, new_tokens)
+    store = _reference_forward(ref, tokens, num_layers, mid, sub_inputs)
+    if cache is not None and key is not None:
+        problem = cache.store(key, tokens[len(ids):])
+        info["stored"] = problem is None
+        if problem:
+            _warn_cache(info, problem)
+    return tokens, store, info
+
+
+def _warn_cache(info: dict[str, Any], message: str) -> None:
+    warnings.warn(message, ReferenceCacheWarning, stacklevel=3)
+    info.setdefault("warnings", []).append(message)
 
 
 @torch.no_grad()
@@ -168,11 +237,15 @@ def run_verify(
     ppl_ids: list[int] | None = None,
     reference: nn.Module | None = None,
     model: nn.Module | None = None,
+    reference_cache: ContinuationCache | None = None,
 ) -> VerifyResult:
     """Verify `target` against the HF reference of the checkpoint at `model_path`.
 
     `reference` (the HF fp32 model) and `model` (ours, already in `target.dtype`) may be passed
     in already loaded; `model` is handed to `target.prepare`, so pass a fresh one per call.
+    `reference_cache` (e.g. `ContinuationCache.default()`) reuses the reference's greedy
+    continuation across runs (refcache.py); None generates it every time. A passed `reference`
+    must be `load_reference(model_path)`: the cache is keyed by the checkpoint's files.
     """
     cfg_v = config or VerifyConfig()
     policy = policy or TolerancePolicy.for_dtype(target.dtype)
@@ -192,8 +265,8 @@ def run_verify(
     mid = U.mid_norm_name(tmodel.layers[0])
     num_layers = cfg.num_layers
     with timer("reference"):
-        tokens, ref_caps = _reference_pass(ref, prompt_ids, num_layers, mid, cfg_v.new_tokens,
-                                           sub_inputs=not target.supports_hooks)
+        tokens, ref_caps, continuation = _reference_pass(ref, model_path, prompt_ids, num_layers, mid, cfg_v.new_tokens,
+                                                         sub_inputs=not target.supports_hooks, cache=reference_cache)
     seq = torch.tensor([tokens])
     positions = torch.arange(seq.shape[1])[None]
     masks = tmodel.masks(positions, positions)
@@ -282,6 +355,7 @@ def run_verify(
         tokens=tokens, prompt_len=len(prompt_ids), boundaries=boundaries, first_failing=first,
         ops=ops, culprit=found, parity=parity.to_dict(), perplexity=ppl, target_report=rep,
         tolerance=policy.to_dict(), timings_s=timer.times, reasons=reasons, isolated_reused=reused,
+        reference_continuation=continuation,
     )
 
 

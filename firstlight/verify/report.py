@@ -39,6 +39,10 @@ def print_summary(result: dict[str, Any], console: Console | None = None) -> Non
                       _fmt(iso["max_ulp"]), _fmt(iso["pcc"]), _fmt(prop.get("rel_l2")),
                       "[green]ok[/]" if iso["ok"] else "[red]FAIL[/]")
     console.print(table)
+    cont = result.get("reference_continuation") or {}
+    if cont.get("new_tokens"):
+        console.print(f"reference continuation: {cont['new_tokens']} greedy tokens, {cont['source']} "
+                      f"(cache: {cont['cache']})", highlight=False)
     p = result["parity"]
     div = p["first_divergence"]
     console.print(

@@ -29,3 +29,14 @@ def references(tiny_dirs: dict[str, Path]):
         return cache[family]
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def _reference_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """`ContinuationCache.default()` (what `firstlight verify` uses) points into a fresh tmp dir, never
+    the user's $FIRSTLIGHT_HOME (the slow tier still reads real models from there)."""
+    from firstlight.verify import refcache
+
+    root = tmp_path_factory.mktemp("verify-cache")
+    monkeypatch.setattr(refcache, "default_cache_dir", lambda: root)
+    return root

@@ -9,6 +9,12 @@ a time, every prompt through every method back to back; greedy or seeded samplin
 over prompts. Bound: a speculative step costs one target pass
 over 1+k tokens plus the proposer, so the speedup cannot exceed (accepted + 1) / (t_{1+k} / t_1),
 with t_n the measured time of an n-token target pass; that bound is printed next to each speedup.
+
+`--draft-batch 1,8,16` instead measures the draft proposer's time per engine step at those
+concurrencies, request-by-request (`DraftProposer(batched=False)`) vs batched, both called on the
+same requests in every step of one engine run (greedy, order alternating per step):
+
+    FIRSTLIGHT_HOME=/tmp/fl_home .venv/bin/python benchmarks/spec_decode.py --threads 1 --draft-batch 1,8,16
 """
 
 from __future__ import annotations
@@ -102,6 +108,68 @@ def run_set(engines: dict, prompts: list[list[int]], args, temperature: float) -
     return rows
 
 
+def draft_batch(model, tok, args) -> list[dict]:  # noqa: ANN001
+    """Median proposal ms per engine step, old (per request) vs new (batched), per concurrency."""
+    from firstlight.engine.engine import EngineConfig, LLMEngine
+    from firstlight.engine.request import SamplingParams
+    from firstlight.engine.spec.config import SpecConfig
+    from firstlight.engine.spec.draft import DraftProposer
+
+    prompts = [chat_ids(tok, p) for p in CHAT + CODE]
+    # Bounds: a draft step reads the draft's weights (its layers + the LM head) once per forward: the
+    # per-request path c times per step, the batched one once; batched, the step does 2 * params FLOPs
+    # per row (matmul FLOPs, attention and catch-up prefill left out).
+    num_params = sum(p.numel() for p in model.layers[: args.draft_layers].parameters()) + model.lm_head.weight.numel()
+    weight_bytes = num_params * next(model.parameters()).element_size()
+    rows = []
+    print(f"draft proposer, self-draft {args.draft_layers} layers ({num_params / 1e6:.1f} M params, "
+          f"{weight_bytes / 1e6:.0f} MB), k={args.k}, threads {args.threads}, greedy, {args.max_tokens} tokens/request; "
+          "ms per engine step = median over steps (both on the same requests)")
+    print(f"{'conc':>4} {'steps':>5} {'rows/step':>9} {'per-request ms':>14} {'batched ms':>10} {'speedup':>8} "
+          f"{'bound':>6} {'per-req GB/s':>12} {'batched GFLOP/s':>15} {'same tokens':>11}")
+    for conc in [int(c) for c in args.draft_batch.split(",")]:
+        spec = SpecConfig("draft", num_spec_tokens=args.k, draft_layers=args.draft_layers)
+        engine = LLMEngine(model, tok, EngineConfig(speculative=spec, kv_cache_bytes=256 << 20,
+                                                    enable_prefix_caching=False))
+        new = engine.spec.proposer
+        old = DraftProposer(new.draft, batched=False)
+        batched_propose, batched_free = new.propose, new.free
+        times: dict[str, list[float]] = {"old": [], "new": []}
+        num_rows, num_same = [], 0
+
+        def timed_propose(reqs, old=old, batched_propose=batched_propose, times=times, num_rows=num_rows):  # noqa: ANN001, ANN202
+            nonlocal num_same
+            order = [("old", old.propose), ("new", batched_propose)]
+            out = {}
+            for name, fn in order if len(num_rows) % 2 else order[::-1]:  # alternate: drift hits both
+                t0 = time.perf_counter()
+                out[name] = fn(reqs)
+                times[name].append(time.perf_counter() - t0)
+            num_rows.append(len(reqs))
+            num_same += [p.token_ids for p in out["old"]] == [p.token_ids for p in out["new"]]
+            return out["new"]
+
+        new.propose = timed_propose  # instance attributes: the engine's decoder calls these
+        new.free = lambda rid, old=old, batched_free=batched_free: (batched_free(rid), old.free(rid))
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        for i in range(conc):
+            engine.add_request(prompts[i % len(prompts)], params)
+        while engine.has_unfinished():
+            engine.step()
+        engine.close()
+        t_old, t_new = statistics.median(times["old"]) * 1e3, statistics.median(times["new"]) * 1e3
+        rows_med = statistics.median(num_rows)
+        old_gb_s = rows_med * args.k * weight_bytes / (t_old * 1e-3) / 1e9  # weights streamed per request
+        new_gflop_s = rows_med * args.k * 2 * num_params / (t_new * 1e-3) / 1e9
+        row = {"concurrency": conc, "num_steps": len(num_rows), "median_rows_per_step": rows_med,
+               "per_request_ms": t_old, "batched_ms": t_new, "speedup": t_old / t_new, "bound": rows_med,
+               "per_request_weight_gb_s": old_gb_s, "batched_gflop_s": new_gflop_s, "same_tokens_steps": num_same}
+        rows.append(row)
+        print(f"{conc:4d} {len(num_rows):5d} {rows_med:9.0f} {t_old:14.1f} {t_new:10.1f} {t_old / t_new:7.2f}x "
+              f"{rows_med:5.0f}x {old_gb_s:12.1f} {new_gflop_s:15.1f} {num_same:5d}/{len(num_rows)}", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -114,6 +182,8 @@ def main() -> None:
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--draft-batch", default=None, metavar="CONCURRENCIES",
+                    help="e.g. 1,8,16: only time the draft proposer, per request vs batched")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -125,6 +195,12 @@ def main() -> None:
     model_dir = resolve(args.model)
     model, tok = load_model(model_dir)
     model.eval()
+    if args.draft_batch:
+        rows = draft_batch(model, tok, args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "draft_batch": rows}, f, indent=2)
+        return
     sets = {"chat": [chat_ids(tok, p) for p in CHAT[: args.num_prompts]],
             "code": [chat_ids(tok, p) for p in CODE[: args.num_prompts]]}
     heads_path = args.heads or str(default_heads_path(model_dir))

@@ -26,7 +26,6 @@ from firstlight.engine.spec.config import SpecConfig
 from firstlight.engine.spec.registry import make_proposer
 from firstlight.engine.spec.rejection import rejection_sample
 
-
 ADAPTIVE_K_START = 4  # adaptive_k: a request's first step proposes this many (at most its cap)
 
 

@@ -3,12 +3,19 @@ autoregressively (Leviathan et al. 2023). With no draft checkpoint, the draft is
 first `draft_layers` layers + its final norm and head (self-speculative, as in LayerSkip /
 Draft & Verify, Zhang et al. 2023): no extra weights, no extra memory beyond its own KV.
 
-The draft keeps a per-request KV cache of the tokens it has seen; on each call it rolls back to
-the longest prefix it shares with the request's tokens (rejected proposals drop out) and catches up.
+All requests asking for proposals in an engine step are drafted together: each draft step is one
+batched forward over B rows (one per request, each at its own position over its own slot of a
+shared KV pool, `draft_cache.py`). Per request the draft's KV rolls back to the longest prefix it
+shares with the request's tokens (rejected proposals drop out) and catches up on the rest: first a
+catch-up prefill of all but the last missing token, rows grouped by that length (a new request's
+prompt, or the 2-token [last proposal, bonus] after a fully accepted step), then k single-token
+steps for all rows at once. `batched=False` keeps the earlier request-by-request loop (one growable
+contiguous cache each), the reference for tests and the benchmark.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
 import torch
@@ -16,6 +23,7 @@ from torch import nn
 
 from firstlight.engine.spec.base import Proposal, Proposer, SpecRequest, sample_from_logits
 from firstlight.engine.spec.config import SpecConfig
+from firstlight.engine.spec.draft_cache import DraftKVPool
 from firstlight.engine.spec.registry import register
 from firstlight.errors import FirstlightError
 from firstlight.models.kv_cache import ContiguousKVCache
@@ -76,13 +84,34 @@ def check_same_vocab(target: Any, target_tok: Any, draft: Any, draft_tok: Any, d
         )
 
 
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists (bisection over C-speed slice compares)."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo < hi - 1:  # invariant: prefix lo equal, prefix hi not
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 @register
 class DraftProposer(Proposer):
     name = "draft"
 
-    def __init__(self, draft: Any) -> None:
+    def __init__(self, draft: Any, batched: bool = True) -> None:
         self.draft = draft
-        self._caches: dict[str, tuple[GrowableKVCache, list[int]]] = {}
+        self.batched = batched
+        cfg = draft.config
+        p = next(draft.parameters())
+        self.device = p.device
+        num_layers = getattr(draft, "num_layers", cfg.num_layers)  # a TruncatedModel runs only its first layers
+        self._kv_shape = (num_layers, cfg.num_kv_heads, cfg.head_dim, p.dtype, p.device)
+        self.pool = DraftKVPool(*self._kv_shape)
+        self._caches: dict[str, tuple[GrowableKVCache, list[int]]] = {}  # batched=False only
 
     @classmethod
     def from_config(cls, cfg: SpecConfig, target: Any, tokenizer: Any) -> DraftProposer:
@@ -97,36 +126,76 @@ class DraftProposer(Proposer):
         return cls(draft.eval())
 
     def free(self, request_id: str) -> None:
+        self.pool.free(request_id)
         self._caches.pop(request_id, None)
-
-    def _cache(self, rid: str) -> tuple[GrowableKVCache, list[int]]:
-        if rid not in self._caches:
-            cfg = self.draft.config
-            p = next(self.draft.parameters())
-            self._caches[rid] = (GrowableKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, p.dtype, p.device), [])
-        return self._caches[rid]
 
     @torch.inference_mode()
     def propose(self, requests: list[SpecRequest]) -> list[Proposal]:
-        return [self._propose_one(r) for r in requests]
+        if not self.batched:
+            return [self._propose_one(r) for r in requests]
+        return self._propose_batched(requests) if requests else []
+
+    # ---- batched: one forward per draft step for all requests ------------------------------------
+    def _forward(self, slots: list[int], feeds: list[list[int]]) -> torch.Tensor:
+        """Run feeds[b] (one length S) after slot b's cached tokens; hidden [B, S, E]."""
+        kv = self.pool.pass_over(slots, feeds)
+        return self.draft.forward_hidden(torch.tensor(feeds, device=self.device), kv.positions, kv)
+
+    def _propose_batched(self, requests: list[SpecRequest]) -> list[Proposal]:
+        # Rows in slot order: when the asking requests hold a dense run of slots (the usual case)
+        # every pass reads the pool through a slice view.
+        slots = [self.pool.acquire(r.request_id) for r in requests]
+        order = sorted(range(len(requests)), key=slots.__getitem__)
+        last: dict[int, int] = {}  # row -> the token its next draft step feeds
+        catch_up: dict[int, list[int]] = defaultdict(list)  # catch-up length -> rows
+        for i in order:
+            r, slot = requests[i], slots[i]
+            common = common_prefix_len(self.pool.tokens[slot], r.token_ids)
+            common = min(common, len(r.token_ids) - 1)  # always run at least the last token
+            self.pool.truncate(slot, common)  # rollback: keys past `common` are overwritten below
+            if len(r.token_ids) - common > 1:
+                catch_up[len(r.token_ids) - common - 1].append(i)
+            last[i] = r.token_ids[-1]
+        for n, rows in sorted(catch_up.items()):  # catch-up prefill, rows grouped by length
+            self._forward([slots[i] for i in rows], [requests[i].token_ids[-1 - n : -1] for i in rows])
+        tokens: list[list[int]] = [[] for _ in requests]
+        qs: list[list[torch.Tensor | None]] = [[] for _ in requests]
+        for step in range(max(r.num_spec_tokens for r in requests)):
+            rows = [i for i in order if requests[i].num_spec_tokens > step]
+            hidden = self._forward([slots[i] for i in rows], [[last[i]] for i in rows])  # [B, 1, E]
+            logits = self.draft.compute_logits(hidden[:, -1])  # [B, V]
+            greedy = logits.argmax(-1).tolist()
+            for b, i in enumerate(rows):
+                r = requests[i]
+                if r.temperature <= 0:
+                    tok, q = greedy[b], None
+                else:  # the request's own generator: its draws do not depend on the batch
+                    tok, q = sample_from_logits(logits[b], r.temperature, r.generator)
+                tokens[i].append(tok)
+                qs[i].append(q)
+                last[i] = tok
+        return [
+            Proposal(toks, None if r.temperature <= 0 else torch.stack(q))  # type: ignore[arg-type]
+            for r, toks, q in zip(requests, tokens, qs, strict=True)
+        ]
+
+    # ---- batched=False: the earlier request-by-request loop ---------------------------------------
+    def _cache(self, rid: str) -> tuple[GrowableKVCache, list[int]]:
+        if rid not in self._caches:
+            self._caches[rid] = (GrowableKVCache(*self._kv_shape), [])
+        return self._caches[rid]
 
     def _propose_one(self, r: SpecRequest) -> Proposal:
         cache, seen = self._cache(r.request_id)
-        common = 0
-        for a, b in zip(seen, r.token_ids, strict=False):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(r.token_ids) - 1)  # always run at least the last token
+        common = min(common_prefix_len(seen, r.token_ids), len(r.token_ids) - 1)  # always run the last token
         cache.truncate(common)
         del seen[common:]
-        device = next(self.draft.parameters()).device
         feed = r.token_ids[common:]
         tokens: list[int] = []
         qs: list[torch.Tensor | None] = []
         for _ in range(r.num_spec_tokens):
-            pos = torch.arange(len(seen), len(seen) + len(feed), device=device).unsqueeze(0)
-            hidden = self.draft.forward_hidden(torch.tensor([feed], device=device), pos, cache)
+            pos = torch.arange(len(seen), len(seen) + len(feed), device=self.device).unsqueeze(0)
+            hidden = self.draft.forward_hidden(torch.tensor([feed], device=self.device), pos, cache)
             seen.extend(feed)
             tok, q = sample_from_logits(self.draft.compute_logits(hidden[0, -1]), r.temperature, r.generator)
             tokens.append(tok)

@@ -93,35 +93,61 @@ def test_per_request_configuration(tiny, heads_file, tmp_path):
 
 
 @pytest.mark.parametrize("method", ["ngram", "heads"])
-def test_adaptive_k_is_exact_and_moves_k_with_acceptance(tiny, heads_file, tmp_path, method):
-    """k grows by 2 after an all-accepted step, shrinks by 1 after a rejection, within [1, cap]."""
+def test_adaptive_k_is_exact_and_follows_acceptance(tiny, heads_file, tmp_path, method):
+    """Greedy output is unchanged; k follows each request's acceptance under the given pass costs."""
     from dataclasses import replace
+
+    from firstlight.engine.spec.adaptive import best_k
 
     model, tok = tiny
     greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     want, _, _ = _run(model, tok, None, greedy)
     cap = 8 if method == "ngram" else 4  # the heads file has 4 heads
-    spec = replace(_spec(method, heads_file, tmp_path, k=cap), adaptive_k=True)
+    costs = tuple(1.0 + 0.15 * k for k in range(cap + 1))  # a CPU-like table: extra tokens cost
+    spec = replace(_spec(method, heads_file, tmp_path, k=cap), adaptive_k=True, pass_costs=costs)
     engine = LLMEngine(model, tok, EngineConfig(block_size=4, num_blocks=128, speculative=spec))
     ids = [engine.add_request(p, greedy).request_id for p in PROMPTS]
-    done, seen = {}, set()
+    done, ks = {}, set()
     while engine.has_unfinished():
-        asked = {r.request_id: engine.spec._k.get(r.request_id, 4) for r in engine.scheduler.running}
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.output_token_ids
-        last = engine.spec.last_step
-        for rid, k in asked.items():
-            now = engine.spec._k.get(rid)
-            if now is not None and last.get("num_drafts"):
-                assert 1 <= now <= cap
-                seen.add(now - k)
+        for r in engine.scheduler.running:  # what was proposed is what the policy chose (or fewer)
+            acc = engine.spec._acceptance.get(r.request_id)
+            if r.spec_token_ids and acc is not None:
+                chosen = best_k(acc.rate, costs, cap)
+                assert 1 <= len(r.spec_token_ids) <= chosen
+                ks.add(chosen)
         engine.kv.check_invariants()
     engine.close()
     assert [done[i] for i in ids] == want
-    assert -1 in seen  # shrank after a rejection
-    if method == "ngram":
-        assert seen & {1, 2}  # grew after full acceptance
+    assert len(ks) > 1  # k moved with the acceptance
+
+
+def test_adaptive_policy_math():
+    from firstlight.engine.spec.adaptive import Acceptance, best_k, expected_tokens, interpolate_costs
+
+    assert expected_tokens(0.0, 5) == 1.0 and expected_tokens(1.0, 5) == 6.0
+    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
+    flat = [1.0] * 17  # memory-bound (GPU-like): proposing is free, so propose the most
+    assert best_k(0.3, flat, 16) == 16
+    cpu = interpolate_costs({1: 1.0, 2: 1.66, 3: 2.08, 5: 1.64, 9: 1.87, 17: 2.28}, 16)  # the dev VM's MKL
+    assert cpu[0] == 1.0 and abs(cpu[4] - 1.64) < 1e-9 and abs(cpu[6] - (1.64 + 0.23 * 2 / 4)) < 1e-9
+    assert best_k(0.2, cpu, 16) == 0  # poor guesses are not worth a 1.6x pass
+    assert best_k(0.95, cpu, 16) == 16
+    assert best_k(0.7, cpu, 16) not in (1, 2)  # never the 2- and 3-token passes that cost more than 5
+    a = Acceptance()
+    assert a.rate == 0.5
+    for _ in range(10):
+        a.update(8, 8)
+    assert a.rate > 0.9
+    high = a.rate
+    a.update(8, 0)
+    assert a.rate < high
+    high = a.rate
+    for _ in range(30):
+        a.idle()
+    assert abs(a.rate - 0.5) < abs(high - 0.5)  # idle steps drift back to the prior
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft-self", "heads"])
@@ -176,3 +202,17 @@ def test_kv_trim_frees_only_the_tail_blocks_of_rejected_proposals():
     assert len(kv.block_tables["r"]) == 2 and kv.num_free_blocks == 8
     assert kv.trim("r", 7) == 0
     kv.check_invariants()
+
+
+def test_adaptive_k_measures_pass_costs_and_checks_given_ones(tiny):
+    from firstlight.engine.spec.adaptive import measure_pass_costs
+
+    model, tok = tiny
+    costs = measure_pass_costs(model, 6, context=8, repeats=1)
+    assert len(costs) == 7 and costs[0] == 1.0 and min(costs) > 0
+    engine = LLMEngine(model, tok, EngineConfig(block_size=4, num_blocks=64,
+                                                speculative=SpecConfig("ngram", 6, adaptive_k=True)))
+    assert len(engine.spec.pass_costs) == 7
+    engine.close()
+    with pytest.raises(FirstlightError, match="pass_costs"):
+        SpecConfig("ngram", 4, adaptive_k=True, pass_costs=(1.0, 1.1))

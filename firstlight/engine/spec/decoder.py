@@ -21,12 +21,11 @@ import torch
 
 from firstlight.engine.request import Request
 from firstlight.engine.sampler import Sampler, filter_logits
+from firstlight.engine.spec.adaptive import Acceptance, best_k, measure_pass_costs
 from firstlight.engine.spec.base import SpecRequest
 from firstlight.engine.spec.config import SpecConfig
 from firstlight.engine.spec.registry import make_proposer
 from firstlight.engine.spec.rejection import rejection_sample
-
-ADAPTIVE_K_START = 4  # adaptive_k: a request's first step proposes this many (at most its cap)
 
 
 @dataclass
@@ -55,7 +54,11 @@ class SpecDecoder:
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_spec_tokens)
         self._q: dict[str, torch.Tensor | None] = {}  # the distributions pending proposals came from
         self._hidden: dict[str, torch.Tensor] = {}  # [E] the hidden state that sampled the last token
-        self._k: dict[str, int] = {}  # adaptive_k: each request's current number of proposals
+        self._acceptance: dict[str, Acceptance] = {}  # adaptive_k: each request's own history
+        self.pass_costs: list[float] = []  # adaptive_k: c(1 + k) relative to a 1-token pass
+        if config.adaptive_k:
+            self.pass_costs = (list(config.pass_costs) if config.pass_costs is not None
+                               else measure_pass_costs(model, config.num_spec_tokens))
         self.last_step: dict[str, int] = {}  # this step's counts, for the trace
 
     @property
@@ -69,7 +72,8 @@ class SpecDecoder:
             return 0
         k = self._cap(request)
         if self.config.adaptive_k:
-            k = self._k.get(request.request_id, min(k, ADAPTIVE_K_START))
+            rate = self._acceptance.setdefault(request.request_id, Acceptance()).rate
+            k = best_k(rate, self.pass_costs, k)
         # all accepted + the bonus token must fit in max_tokens and in the context
         return max(0, min(k, p.max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens - 1))
 
@@ -115,7 +119,7 @@ class SpecDecoder:
             is_greedy=[r.sampling_params.is_greedy for r in reqs],
             generators=[self.sampler.generator(r) for r in reqs],
         )
-        for req, rid, k, toks in zip(reqs, rids, ks, emitted, strict=True):
+        for rid, k, toks in zip(rids, ks, emitted, strict=True):
             num_accepted = len(toks) - 1
             self.stats.num_drafts += 1
             self.stats.num_draft_tokens += k
@@ -124,10 +128,8 @@ class SpecDecoder:
                 self.stats.accepted_per_pos[pos] += 1
             self.last_step["num_draft_tokens"] += k
             self.last_step["num_accepted_tokens"] += num_accepted
-            if self.config.adaptive_k:  # moves from the k asked for (a proposer may return fewer)
-                cap = self._cap(req)
-                asked = min(cap, self._k.get(rid, min(cap, ADAPTIVE_K_START)))
-                self._k[rid] = min(cap, asked + 2) if num_accepted == k else max(1, asked - 1)
+            if self.config.adaptive_k:
+                self._acceptance.setdefault(rid, Acceptance()).update(k, num_accepted)
             if rid in exec_out.hidden:
                 self._hidden[rid] = exec_out.hidden[rid][num_accepted]
         return dict(zip(rids, emitted, strict=True))
@@ -143,6 +145,8 @@ class SpecDecoder:
             k = self.num_spec_tokens(req, max_model_len)
             hidden = self._hidden.get(req.request_id)
             if k == 0 or (self.needs_hidden and hidden is None):
+                if req.request_id in self._acceptance:
+                    self._acceptance[req.request_id].idle()
                 continue
             temperature = req.sampling_params.temperature
             asks.append(SpecRequest(req.request_id, req.all_token_ids, k, temperature, self.sampler.generator(req), hidden))
@@ -157,5 +161,5 @@ class SpecDecoder:
     def free(self, request_id: str) -> None:
         self._q.pop(request_id, None)
         self._hidden.pop(request_id, None)
-        self._k.pop(request_id, None)
+        self._acceptance.pop(request_id, None)
         self.proposer.free(request_id)

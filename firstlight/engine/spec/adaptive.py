@@ -1,0 +1,123 @@
+"""Adaptive k: how many tokens to propose for a request, from its acceptance and the pass costs.
+
+A step that verifies k proposals costs one target pass over 1 + k tokens; it emits
+E(k) = 1 + a + a^2 + ... + a^k = (1 - a^(k+1)) / (1 - a) tokens on average when each proposal is
+accepted with probability a given the ones before it were (Leviathan et al. 2023, eq. 1). The policy
+picks, per request and step, the k in [0, cap] with the most tokens per unit of cost,
+E(k) / c(1 + k), with c(n) = t_n / t_1 the measured cost of an n-token pass; k = 0 (decode
+normally, c = 1, one token) wins when the proposals are not worth their pass.
+
+Why costs and not a fixed schedule: on a GPU c(n) is ~1 for n up to tens of tokens (decode is
+memory-bound), so proposing many tokens is nearly free; on a CPU the extra tokens cost compute (on
+the 2-core dev VM c(5) ~ 1.6 and c(17) ~ 2.3) and, with MKL on AMD, c(2) and c(3) cost more than
+c(5), so a schedule that backs off to k = 1 (HF's "heuristic") pays most where it gains least.
+
+The acceptance a is estimated per request from its own history: accepted and tried proposal
+positions, both decayed by `DECAY` per verified step, plus a prior of `PRIOR` (weight 2). A step
+that does not speculate decays the evidence too, so a request whose proposals stopped paying drifts
+back to the prior and tries again: that is the exploration.
+
+The costs are measured once per model at engine start (`measure_pass_costs`, batch 1: ~20 passes,
+about 2 s for SmolLM2-135M on one CPU core) or given in `SpecConfig.pass_costs`. At larger batches
+the marginal cost of proposals is higher than at batch 1 on compute-bound hardware; the table does
+not model that yet.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+DECAY = 0.8
+PRIOR = 0.5
+
+
+@dataclass
+class Acceptance:
+    """Decayed counts of accepted and tried proposal positions for one request."""
+
+    accepted: float = 0.0
+    tried: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + 2 * PRIOR) / (self.tried + 2)
+
+    def update(self, num_proposed: int, num_accepted: int) -> None:
+        """After a verified step: positions up to the first rejection were tried."""
+        self.accepted = DECAY * self.accepted + num_accepted
+        self.tried = DECAY * self.tried + num_accepted + (1 if num_accepted < num_proposed else 0)
+
+    def idle(self) -> None:
+        """A step without proposals: the evidence ages."""
+        self.accepted *= DECAY
+        self.tried *= DECAY
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    """Tokens a step with k proposals emits on average (accepted + the target's own token)."""
+    if rate >= 1.0:
+        return k + 1.0
+    return (1.0 - rate ** (k + 1)) / (1.0 - rate)
+
+
+def best_k(rate: float, costs: Sequence[float], cap: int) -> int:
+    """argmax over k in [0, cap] of expected_tokens(rate, k) / costs[k]; costs[k] = c(1 + k), costs[0] = 1."""
+    best, best_value = 0, 1.0 / costs[0]
+    for k in range(1, min(cap, len(costs) - 1) + 1):
+        value = expected_tokens(rate, k) / costs[k]
+        if value > best_value * (1 + 1e-9):
+            best, best_value = k, value
+    return best
+
+
+def interpolate_costs(measured: dict[int, float], max_k: int) -> list[float]:
+    """c(1 + k) for k = 0 .. max_k from pass times at some sizes n (seconds), linear in between."""
+    xs = sorted(measured)
+    out = []
+    for k in range(max_k + 1):
+        n = min(max(1 + k, xs[0]), xs[-1])
+        lo = max(x for x in xs if x <= n)
+        hi = min(x for x in xs if x >= n)
+        t = measured[lo] if hi == lo else measured[lo] + (measured[hi] - measured[lo]) * (n - lo) / (hi - lo)
+        out.append(t / measured[1])
+    out[0] = 1.0
+    return out
+
+
+@torch.inference_mode()
+def measure_pass_costs(model: torch.nn.Module, max_k: int, context: int = 64, repeats: int = 3) -> list[float]:
+    """c(1 + k) for k = 0 .. max_k: median time of a batch-1 pass over 1 + k tokens after `context`
+    tokens (contiguous cache, logits included) relative to a 1-token pass. Sizes 1, 2, 3, 5, 9, 17
+    (up to 1 + max_k) are timed interleaved; the others are interpolated."""
+    from firstlight.models.kv_cache import ContiguousKVCache
+
+    cfg = model.config
+    sizes = sorted({n for n in (1, 2, 3, 5, 9, 17) if n <= 1 + max_k} | {1 + max_k})
+    device = next(model.parameters()).device
+    cache = ContiguousKVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, context + sizes[-1],
+                              dtype=next(model.parameters()).dtype, device=device)
+    ids = torch.ones(1, context + sizes[-1], dtype=torch.long, device=device)
+    positions = torch.arange(context + sizes[-1], device=device)[None]
+
+    def once(n: int) -> float:
+        cache.length = context  # roll back to the prefix
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        h = model.forward_hidden(ids[:, context : context + n], positions[:, context : context + n], cache)
+        model.compute_logits(h)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    model.forward_hidden(ids[:, :context], positions[:, :context], cache)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats + 1):  # the first round warms up
+        for n in sizes:
+            times[n].append(once(n))
+    return interpolate_costs({n: statistics.median(v[1:]) for n, v in times.items()}, max_k)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from firstlight.core.batch import Batch
+from firstlight.core.batch import Batch, ScheduledSeq
 
 
 @dataclass
@@ -29,6 +29,11 @@ class StepRecord:
     @property
     def total_s(self) -> float:
         return self.schedule_s + self.execute_s + self.sample_s
+
+    @property
+    def num_recompute_tokens(self) -> dict[str, int]:
+        """Per request, the tokens this step recomputes after a preemption (see `seq_phase`)."""
+        return dict(self.batch.meta.get("num_recompute_tokens", {}))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -98,7 +103,9 @@ class Trace:
                 "num_seqs": b.num_seqs,
                 "num_prefill_tokens": b.num_prefill_tokens,
                 "num_decode_tokens": b.num_decode_tokens,
+                "num_recompute_tokens": sum(rec.num_recompute_tokens.values()),
                 "request_ids": [s.request_id for s in b.seqs],
+                "phases": [seq_phase(b, s) for s in b.seqs],
             }
             t = rec.start_s
             for name, dur in (("schedule", rec.schedule_s), ("execute", rec.execute_s), ("sample", rec.sample_s)):
@@ -107,6 +114,16 @@ class Trace:
                 )
                 t += dur
         return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": self.meta}
+
+
+def seq_phase(batch: Batch, seq: ScheduledSeq) -> str:
+    """What a sequence does in a step: "recompute" (rebuilding KV that a preemption dropped; the
+    scheduler counts those tokens in `batch.meta["num_recompute_tokens"]`), else "prefill" (prompt
+    tokens) or "decode". `Batch.num_prefill_tokens` / `num_decode_tokens` split by position only, so
+    a recomputed chunk of output tokens counts there as decode tokens; this label tells them apart."""
+    if batch.meta.get("num_recompute_tokens", {}).get(seq.request_id, 0) > 0:
+        return "recompute"
+    return "prefill" if seq.is_prefill else "decode"
 
 
 def write_header(f: TextIO, meta: dict[str, Any]) -> None:

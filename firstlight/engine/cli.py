@@ -20,7 +20,7 @@ def serve(
     max_num_batched_tokens: int = typer.Option(2048, help="Most tokens computed per step (chunked prefill)."),
     max_model_len: int | None = typer.Option(None, help="Context length (default: the model's)."),
     no_prefix_caching: bool = typer.Option(False, help="Disable prefix caching."),
-    compile_decode: bool = typer.Option(False, help="torch.compile the decode forward."),
+    compile_decode: bool = typer.Option(False, help="torch.compile the decode forward (shape-bucketed: a bounded number of graphs)."),
     quantization: str = typer.Option("none", help="Weight quantization: none, int8, int4, fp8."),
     threads: int | None = typer.Option(None, help="torch intra-op threads (default: torch's)."),
     speculative: str = typer.Option("none", help="Speculative decoding: none, ngram, draft, heads."),

@@ -117,7 +117,10 @@ class LLMEngine:
         )
         self.max_model_len = self.scheduler.max_model_len
         device = next(model.parameters()).device
-        self.runner = ModelRunner(model, num_blocks, config.block_size, device, config.compile_decode)
+        self.runner = ModelRunner(
+            model, num_blocks, config.block_size, device, config.compile_decode,
+            max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+        )
         self.sampler = Sampler(config.seed)
         self.spec = None
         if config.speculative is not None:

@@ -3,7 +3,9 @@
 Only what the engine implements is accepted; other OpenAI fields that would change results
 (n > 1, best_of, echo, logit_bias, suffix, tools) are rejected with a 400 instead of ignored.
 Unknown keys are rejected too. vLLM's extensions (top_k, min_p, repetition_penalty, min_tokens,
-ignore_eos, stop_token_ids, skip_special_tokens, prompt_logprobs) are accepted.
+ignore_eos, stop_token_ids, skip_special_tokens, prompt_logprobs) are accepted, and so is
+firstlight's `num_speculative_tokens` (per-request speculation; the server checks it against its
+configured k, see `OpenAIServing.check_speculation`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    # firstlight extension: tokens to propose per step for this request when the server speculates
+    # (None: the server's --num-spec-tokens, 0: off); the server checks it against its own k
+    num_speculative_tokens: int | None = Field(None, ge=0)
 
     @field_validator("stop")
     @classmethod
@@ -82,6 +87,7 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            num_speculative_tokens=self.num_speculative_tokens,
         )
 
 

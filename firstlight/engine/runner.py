@@ -12,12 +12,22 @@ simple and correct on any backend; a paged-attention kernel would read the pool 
 Grouping (to keep padding small): all decode rows (1 token each) run as one [B, 1] forward, padded
 only in L; prefill chunks run grouped by equal chunk length ([B, S], no padding at all), so a
 step runs at most 1 + (number of distinct chunk lengths) forwards.
+
+Compiled decode (`compile_decode=True`): the decode forward is `torch.compile`d (inductor, fullgraph),
+and every decode batch is padded up to a shape bucket, as vLLM does for CUDA graphs: B to the next
+of 1, 2, 4, ..., max_num_seqs and L to the next of 1, 2, 3, 4, 6, 8, 12, ... blocks (times block_size),
+so at most len(batch buckets) x len(key buckets) graphs are ever compiled, whatever the traffic;
+with symbolic shapes, dynamo shares one graph across most buckets (3 graphs in the tests).
+A padding row has token 0 at position -1, writes its K/V to a scratch slot past the last block
+(`scratch_slot`) and sees only masked keys; padded key slots have key position -1. The real rows
+compute exactly what they would unpadded, up to float rounding of the compiled kernels.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -84,6 +94,77 @@ def _input_ids(request: Request, seq: ScheduledSeq) -> list[int]:
     return request.token_ids_slice(seq.num_computed_tokens, stop) + request.spec_token_ids[: seq.num_spec_tokens]
 
 
+def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Decode batch sizes a compiled decode runs at: 1, 2, 4, ... below max_num_seqs, then max_num_seqs."""
+    sizes, b = [], 1
+    while b < max_num_seqs:
+        sizes.append(b)
+        b *= 2
+    return (*sizes, max_num_seqs)
+
+
+def key_buckets(max_keys: int, block_size: int) -> tuple[int, ...]:
+    """Key lengths a compiled decode gathers: 1, 2, 3, 4, 6, 8, 12, ... blocks (2^k and 1.5 * 2^k, so
+    padding wastes at most a third of the keys), capped at max_keys' blocks."""
+    max_blocks = -(-max_keys // block_size)
+    sizes, b = {1}, 2
+    while b < max_blocks:
+        sizes.update((b, b + b // 2))
+        b *= 2
+    return tuple(block_size * n for n in sorted(n for n in sizes if n < max_blocks)) + (block_size * max_blocks,)
+
+
+def bucket_up(n: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket >= n."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+class CompiledDecode:
+    """`forward_hidden` under torch.compile (inductor, fullgraph, symbolic shapes), counting its graphs.
+
+    It compiles the unbound method and takes the model as an argument: dynamo keeps its graphs on the
+    code object anyway, and this way the cache below holds no reference to the model.
+    """
+
+    def __init__(self, model_cls: type) -> None:
+        self._compile_ids: set[tuple[object, object]] = set()
+        self._fn = torch.compile(model_cls.forward_hidden, backend=self._count_and_compile, dynamic=True, fullgraph=True)
+
+    @property
+    def num_compiles(self) -> int:
+        return len(self._compile_ids)
+
+    def _count_and_compile(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
+        """Inductor, counting compiles by dynamo's compile id (frame, recompile number): an analysis
+        that dynamo restarts calls the backend again under the same id."""
+        from torch._guards import CompileContext
+        from torch._inductor.compile_fx import compile_fx
+
+        cid = CompileContext.current_compile_id()
+        self._compile_ids.add((cid.frame_id, cid.frame_compile_id) if cid else ("?", len(self._compile_ids)))
+        return compile_fx(gm, example_inputs)
+
+    def __call__(self, model: torch.nn.Module, max_graphs: int, *args: object) -> torch.Tensor:
+        # every bucket pair may need its own graph: raise dynamo's recompile limit (default 8) by that
+        # many, or it would silently fall back to eager past the limit
+        limit = torch._dynamo.config.recompile_limit + max_graphs
+        with torch._dynamo.config.patch(recompile_limit=limit):
+            return self._fn(model, *args)
+
+
+_COMPILED: weakref.WeakKeyDictionary[torch.nn.Module, CompiledDecode] = weakref.WeakKeyDictionary()
+
+
+def compiled_decode(model: torch.nn.Module) -> CompiledDecode:
+    """One CompiledDecode per model, shared by the runners (engines) built over it."""
+    if model not in _COMPILED:
+        _COMPILED[model] = CompiledDecode(type(model))
+    return _COMPILED[model]
+
+
 class ModelRunner:
     """Owns the KV pools; turns a Batch into forwards and logits."""
 
@@ -94,6 +175,8 @@ class ModelRunner:
         block_size: int,
         device: str | torch.device = "cpu",
         compile_decode: bool = False,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -101,14 +184,29 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = torch.device(device)
         self.dtype = next(model.parameters()).dtype
-        shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        # one slot past the last block: where a compiled decode's padding rows write their K/V
+        self.scratch_slot = num_blocks * block_size
+        shape = (num_blocks * block_size + 1, cfg.num_kv_heads, cfg.head_dim)
         self.k_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
         self.v_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
         self.keep_hidden = False  # a heads proposer needs the hidden states that sampled
         self._forward: Callable[..., torch.Tensor] = model.forward_hidden
-        self._decode_forward: Callable[..., torch.Tensor] = model.forward_hidden
-        if compile_decode:
-            self._decode_forward = torch.compile(model.forward_hidden, dynamic=True)
+        self.compile_decode = compile_decode
+        max_keys = min(max_model_len or cfg.max_position_embeddings, num_blocks * block_size)
+        self.batch_buckets = batch_buckets(max_num_seqs)
+        self.key_buckets = key_buckets(max_keys, block_size)
+        self._compiled = compiled_decode(model) if compile_decode else None
+        self.decode_shapes: set[tuple[int, int]] = set()  # (B, L) buckets the compiled decode ran
+
+    @property
+    def max_decode_graphs(self) -> int:
+        """The most graphs the compiled decode can build: one per (batch bucket, key bucket)."""
+        return len(self.batch_buckets) * len(self.key_buckets)
+
+    @property
+    def num_decode_compiles(self) -> int:
+        """Graphs compiled so far for this model's decode (shared by every runner over the model)."""
+        return self._compiled.num_compiles if self._compiled is not None else 0
 
     @staticmethod
     def kv_bytes_per_block(model: torch.nn.Module, block_size: int) -> int:
@@ -141,14 +239,14 @@ class ModelRunner:
         out: ExecuteOutput,
     ) -> None:
         dev = self.device
-        input_ids = torch.tensor(
-            [_input_ids(requests[s.request_id], s) for s in seqs], dtype=torch.long
-        ).to(dev)  # [B, S]
+        input_ids = torch.tensor([_input_ids(requests[s.request_id], s) for s in seqs], dtype=torch.long)  # [B, S]
         starts = torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.long)
-        positions = (starts[:, None] + torch.arange(num_tokens)).to(dev)  # [B, S]
-        cache = self._make_cache(seqs, positions)
-        forward = self._decode_forward if num_tokens == 1 else self._forward
-        hidden = forward(input_ids, positions, cache)  # [B, S, E]
+        positions = starts[:, None] + torch.arange(num_tokens)  # [B, S]
+        if num_tokens == 1 and self.compile_decode:
+            hidden = self._run_compiled_decode(seqs, input_ids, positions)
+        else:
+            cache = self._make_cache(seqs, positions)
+            hidden = self._forward(input_ids.to(dev), positions.to(dev), cache)  # [B, S, E]
 
         want_prompt = [
             requests[s.request_id].sampling_params.prompt_logprobs is not None and s.is_prefill for s in seqs
@@ -174,19 +272,45 @@ class ModelRunner:
             if self.keep_hidden:
                 out.hidden[seqs[i].request_id] = h
 
-    def _make_cache(self, seqs: list[ScheduledSeq], positions: torch.Tensor) -> PagedKVCache:
+    def _run_compiled_decode(
+        self, seqs: list[ScheduledSeq], input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The decode rows, padded to a (B, L) bucket, through the compiled forward: [B, 1, E]."""
+        num_rows = len(seqs)
+        padded_rows = bucket_up(num_rows, self.batch_buckets)
+        num_keys = bucket_up(max(s.context_len for s in seqs), self.key_buckets)
+        pad = padded_rows - num_rows
+        input_ids = torch.cat([input_ids, input_ids.new_zeros(pad, 1)])  # [Bp, 1]
+        positions = torch.cat([positions, positions.new_full((pad, 1), -1)])  # [Bp, 1]; -1 = padding
+        cache = self._make_cache(seqs, positions, num_keys)
+        self.decode_shapes.add((padded_rows, num_keys))
+        dev = self.device
+        assert self._compiled is not None
+        hidden = self._compiled(self.model, self.max_decode_graphs, input_ids.to(dev), positions.to(dev), cache)
+        return hidden[:num_rows]  # [B, 1, E]
+
+    def _make_cache(
+        self, seqs: list[ScheduledSeq], positions: torch.Tensor, num_keys: int | None = None
+    ) -> PagedKVCache:
+        """Write and gather slots for `positions` [Bp, S] (rows past len(seqs), position -1, are padding:
+        they write to the scratch slot and see no key); L = num_keys, or the longest context."""
         bs = self.block_size
-        max_blocks = max(len(s.block_ids) for s in seqs)
-        tables = torch.tensor([list(s.block_ids) + [0] * (max_blocks - len(s.block_ids)) for s in seqs])
         context = torch.tensor([s.context_len for s in seqs])  # [B]
-        num_keys = int(context.max())
+        num_keys = num_keys or int(context.max())
+        pad = positions.shape[0] - len(seqs)
+        max_blocks = max(-(-num_keys // bs), max(len(s.block_ids) for s in seqs))
+        tables = torch.tensor([list(s.block_ids) + [0] * (max_blocks - len(s.block_ids)) for s in seqs])
         j = torch.arange(num_keys)
         gather_slots = tables[:, j // bs] * bs + j % bs  # [B, L]
         valid = j[None, :] < context[:, None]
         key_positions = torch.where(valid, j[None, :], -1)
         gather_slots = torch.where(valid, gather_slots, 0)
-        pos = positions.cpu()
+        pos = positions[: len(seqs)].cpu()
         write_slots = tables.gather(1, pos // bs) * bs + pos % bs  # [B, S]; every new token is valid
+        if pad:
+            gather_slots = torch.cat([gather_slots, gather_slots.new_zeros(pad, num_keys)])
+            key_positions = torch.cat([key_positions, key_positions.new_full((pad, num_keys), -1)])
+            write_slots = torch.cat([write_slots, write_slots.new_full((pad, positions.shape[1]), self.scratch_slot)])
         dev = self.device
         return PagedKVCache(
             self.k_pools,

@@ -6,7 +6,8 @@ tokens it still needs to compute, and a step hands out a token budget (`max_num_
 first to running requests (oldest first; a decode needs 1, a long prompt gets a chunk), then to
 waiting ones (preempted requests first, then by arrival). When the KV blocks run out, the newest
 running request is preempted: its blocks are freed and it is recomputed from scratch when it is
-admitted again (its prefix-cached blocks usually make that cheap).
+admitted again (its prefix-cached blocks usually make that cheap). The Batch labels that work:
+`meta["num_recompute_tokens"]` counts, per resumed request, the tokens it recomputes this step.
 
 Output: one `firstlight.core.batch.Batch`. After the runner executes it and the sampler picks
 tokens, `update` appends them, checks stop conditions and frees what finished.
@@ -53,6 +54,8 @@ class Scheduler:
         self.finished_ids: list[str] = []  # finished since the last `pop_finished`
         self.num_steps = 0
         self.num_preemptions = 0
+        # preempted request id -> tokens it had computed: what its next prefill chunks recompute
+        self._recompute_until: dict[str, int] = {}
         # a request must fit in the cache on its own, or preempting everything else cannot help it
         self.max_model_len = min(config.max_model_len, kv.num_blocks * kv.block_size)
 
@@ -87,6 +90,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        self._recompute_until.pop(request.request_id, None)
         self.kv.free(request.request_id)
         self.finished_ids.append(request.request_id)
 
@@ -174,9 +178,29 @@ class Scheduler:
             for r in self.running
             if r.request_id in num_new
         )
-        batch = Batch(seqs=seqs, step=self.num_steps, preempted_ids=tuple(preempted))
+        meta: dict[str, object] = {}
+        recompute = self._num_recompute_tokens(seqs)
+        if recompute:
+            meta["num_recompute_tokens"] = recompute
+        batch = Batch(seqs=seqs, step=self.num_steps, preempted_ids=tuple(preempted), meta=meta)
         self.num_steps += 1
         return batch
+
+    def _num_recompute_tokens(self, seqs: tuple[ScheduledSeq, ...]) -> dict[str, int]:
+        """Per resumed request, how many of its tokens this step recomputes: KV it had computed before
+        a preemption dropped it (prompt and output tokens alike; prefix-cache hits are not recomputed).
+        Past that point the request is an ordinary prefill or decode again."""
+        out: dict[str, int] = {}
+        for seq in seqs:
+            until = self._recompute_until.get(seq.request_id)
+            if until is None:
+                continue
+            n = min(seq.context_len, until) - seq.num_computed_tokens
+            if n > 0:
+                out[seq.request_id] = n
+            if seq.context_len >= until:
+                del self._recompute_until[seq.request_id]
+        return out
 
     def _num_tokens_to_compute(self, request: Request, budget: int) -> int:
         n = request.num_tokens - request.num_computed_tokens
@@ -194,6 +218,8 @@ class Scheduler:
         """Recompute-style preemption: drop its KV, put it at the head of the waiting queue."""
         self.running.remove(request)
         self.kv.free(request.request_id)
+        rid = request.request_id
+        self._recompute_until[rid] = max(self._recompute_until.get(rid, 0), request.num_computed_tokens)
         request.spec_token_ids.clear()
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

@@ -80,6 +80,27 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
+    def check_speculation(self, requested: int | None) -> None:
+        """`num_speculative_tokens` must lie in [0, the server's k]; asking a server that does not
+        speculate for k > 0 is a 400 (not silently 0), so a client never believes it got speculation
+        it did not. 0 is always accepted (it means off)."""
+        if not requested:
+            return
+        spec = self.engine.config.speculative
+        if spec is None:
+            raise BadRequest(
+                f"num_speculative_tokens={requested} but this server runs without speculative decoding; "
+                "omit it (or pass 0), or start the server with --speculative ngram|draft|heads",
+                param="num_speculative_tokens",
+                code="speculation_not_enabled",
+            )
+        if requested > spec.num_spec_tokens:
+            raise BadRequest(
+                f"num_speculative_tokens={requested} exceeds this server's --num-spec-tokens "
+                f"{spec.num_spec_tokens} ({spec.method}); pass a value in [0, {spec.num_spec_tokens}]",
+                param="num_speculative_tokens",
+            )
+
     def max_tokens(self, prompt_len: int, requested: int | None) -> int:
         limit = self.engine.max_model_len
         if prompt_len >= limit:
@@ -105,6 +126,7 @@ class OpenAIServing:
     # ---- completions -----------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
+        self.check_speculation(req.num_speculative_tokens)
         prompts = [self.engine.tokenize(p) for p in req.prompts()]
         params = [req.sampling_params(self.max_tokens(len(ids), req.max_tokens), req.logprobs) for ids in prompts]
         base_id = f"cmpl-{uuid.uuid4().hex}"
@@ -253,6 +275,7 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
+        self.check_speculation(req.num_speculative_tokens)
         ids = self.chat_prompt(req)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         n_lp = (req.top_logprobs or 0) if req.logprobs else None

@@ -1,14 +1,20 @@
 """Speculative decoding on SmolLM2-135M: decode tokens/s and accepted tokens per step, per proposer,
-at temperature 0 and 1, on a chat and a code prompt set, against no speculation in the same run.
+at temperature 0 and 1, on a chat, a code-generation and a code-editing prompt set, against no
+speculation in the same run.
 
-    FIRSTLIGHT_HOME=/tmp/fl_home .venv/bin/python benchmarks/spec_decode.py --threads 2 \
-        --heads /tmp/spec_heads/smollm2_heads.safetensors [--json out.json]
+Methods: `none`, `ngram`, `draft`, `heads`, each with k = --k proposals per step, and `METHOD+aN`:
+adaptive k per request (SpecConfig.adaptive_k) with at most N proposals per step, e.g. `ngram+a16`.
+
+    FIRSTLIGHT_HOME=/tmp/fl_home .venv/bin/python benchmarks/spec_decode.py --threads 1 \
+        --methods none,ngram,ngram+a16,draft,heads,heads+a4 [--heads FILE] [--json out.json]
 
 Runs through the continuous-batching engine (one engine per method, same weights), one request at
 a time, every prompt through every method back to back; greedy or seeded sampling, fp32, medians
-over prompts. Bound: a speculative step costs one target pass
-over 1+k tokens plus the proposer, so the speedup cannot exceed (accepted + 1) / (t_{1+k} / t_1),
-with t_n the measured time of an n-token target pass; that bound is printed next to each speedup.
+over prompts, and total tokens / total time. Prediction: a speculative step costs one target pass
+over 1+k tokens plus the proposer, a step without proposals one 1-token pass; with t_n the
+measured time of an n-token pass, the pass costs predict a speedup of decode tokens / sum over
+decode steps of t_(1+k) / t_1 (proposer free; the engine's fixed per-step cost, amortized over more
+tokens per step, can put the measured speedup above it). It is printed next to each speedup.
 
 `--draft-batch 1,8,16` instead measures the draft proposer's time per engine step at those
 concurrencies, request-by-request (`DraftProposer(batched=False)`) vs batched, both called on the
@@ -47,28 +53,73 @@ CODE = [
     "Write a Python function that flattens a nested list.",
 ]
 
+# Code editing: the answer rewrites code given in the prompt (what coding assistants are asked most,
+# and where prompt lookup is known to pay, Saxena 2023). The 135M model mostly copies the code back.
+CODE_EDIT = [
+    ("Add type hints to this Python function and return the full function:\n\n```python\n"
+     "def merge_sorted(a, b):\n    result = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
+     "        if a[i] <= b[j]:\n            result.append(a[i])\n            i += 1\n        else:\n"
+     "            result.append(b[j])\n            j += 1\n    result.extend(a[i:])\n    result.extend(b[j:])\n"
+     "    return result\n```"),
+    ("Add type hints to this Python function and return the full function:\n\n```python\n"
+     "def count_words(path):\n    counts = {}\n    with open(path) as f:\n        for line in f:\n"
+     "            for word in line.split():\n                word = word.lower().strip('.,;:!?')\n"
+     "                counts[word] = counts.get(word, 0) + 1\n    return counts\n```"),
+    ("Add comments to this Python function and return the full function:\n\n```python\n"
+     "def flatten(items):\n    out = []\n    for x in items:\n        if isinstance(x, list):\n"
+     "            out.extend(flatten(x))\n        else:\n            out.append(x)\n    return out\n```"),
+    ("Add type hints to this Python function and return the full function:\n\n```python\n"
+     "def read_config(path):\n    config = {}\n    with open(path) as f:\n        for line in f:\n"
+     "            line = line.strip()\n            if not line or line.startswith('#'):\n                continue\n"
+     "            key, value = line.split('=', 1)\n            config[key.strip()] = value.strip()\n    return config\n```"),
+    ("Add comments to this class and return the full class:\n\n```python\n"
+     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+     "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n\n"
+     "    def peek(self):\n        return self.items[-1]\n\n    def is_empty(self):\n        return not self.items\n```"),
+    ("Add type hints to this Python function and return the full function:\n\n```python\n"
+     "def primes_below(n):\n    primes = []\n    for candidate in range(2, n):\n        is_prime = True\n"
+     "        for p in primes:\n            if p * p > candidate:\n                break\n"
+     "            if candidate % p == 0:\n                is_prime = False\n                break\n"
+     "        if is_prime:\n            primes.append(candidate)\n    return primes\n```"),
+    ("Add comments to this class and return the full class:\n\n```python\n"
+     "class Counter:\n    def __init__(self, start=0):\n        self.value = start\n\n    def increment(self, step=1):\n"
+     "        self.value += step\n        return self.value\n\n    def reset(self):\n        self.value = 0\n\n"
+     "    def __repr__(self):\n        return f'Counter({self.value})'\n```"),
+    ("Add type hints to this Python function and return the full function:\n\n```python\n"
+     "def binary_search(items, target):\n    low, high = 0, len(items) - 1\n    while low <= high:\n"
+     "        mid = (low + high) // 2\n        if items[mid] == target:\n            return mid\n"
+     "        if items[mid] < target:\n            low = mid + 1\n        else:\n            high = mid - 1\n"
+     "    return -1\n```"),
+]
+
 
 def chat_ids(tok, text: str) -> list[int]:  # noqa: ANN001
     prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
     return list(tok.encode(prompt, add_special_tokens=False))
 
 
-def decode_one(engine, ids: list[int], params) -> tuple[int, float]:  # noqa: ANN001
-    """(tokens after the first, seconds from the first token to the last) for one request alone."""
+def decode_one(engine, ids: list[int], params, cost=None) -> tuple[int, float, float]:  # noqa: ANN001
+    """(tokens after the first, seconds from the first token to the last, passes in units of a
+    1-token pass: sum over decode steps of cost(1 + proposals verified)) for one request alone."""
     engine.add_request(ids, params)
-    t_first, n = None, 0
+    t_first, n, units = None, 0, 0.0
     while engine.has_unfinished():
-        for out in engine.step():
+        outs = engine.step()
+        if t_first is not None:
+            k = engine.spec.last_step.get("num_draft_tokens", 0) if engine.spec else 0
+            units += cost(1 + k) if cost else 1.0
+        for out in outs:
             if t_first is None and out.new_token_ids:
                 t_first = time.perf_counter()
                 n -= 1  # the prefill's token is not a decode token
             n += len(out.new_token_ids)
-    return n, time.perf_counter() - t_first
+    return n, time.perf_counter() - t_first, units
 
 
-def pass_cost_ratio(model, k: int, context: int = 64, repeats: int = 21) -> tuple[float, float]:  # noqa: ANN001
-    """Median seconds of one target pass over 1 token and over 1 + k tokens after `context` tokens
-    (contiguous cache): a speculative step cannot beat (accepted + 1) / (t_{1+k} / t_1)."""
+def pass_costs(model, sizes: list[int], context: int = 128, repeats: int = 15) -> dict[int, float]:  # noqa: ANN001
+    """Median seconds of one target pass over n tokens after `context` tokens (contiguous cache), for
+    each n in `sizes`, interleaved so load drift hits all sizes alike. A speculative step that emits
+    a tokens at the cost of an n-token pass cannot beat a / (t_n / t_1)."""
     from firstlight.models.kv_cache import ContiguousKVCache
 
     cfg = model.config
@@ -82,29 +133,56 @@ def pass_cost_ratio(model, k: int, context: int = 64, repeats: int = 21) -> tupl
             model.compute_logits(h)
             return time.perf_counter() - t0
 
-    pairs = [(once(1), once(1 + k)) for _ in range(repeats)]  # interleaved: load drift hits both
-    return statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats):
+        for n in sizes:
+            times[n].append(once(n))
+    return {n: statistics.median(v) for n, v in times.items()}
 
 
-def run_set(engines: dict, prompts: list[list[int]], args, temperature: float) -> dict:  # noqa: ANN001
+def parse_method(label: str, k: int) -> tuple[str, int, bool]:
+    """`ngram` -> (ngram, k, fixed); `ngram+a16` -> (ngram, 16, adaptive)."""
+    name, _, opt = label.partition("+")
+    if opt:
+        if not opt.startswith("a") or not opt[1:].isdigit():
+            raise SystemExit(f"method {label!r}: expected NAME or NAME+aN (adaptive k, at most N)")
+        return name, int(opt[1:]), True
+    return name, k, False
+
+
+def run_set(engines: dict, prompts: list[list[int]], args, temperature: float, cost=None) -> dict:  # noqa: ANN001
     """Every prompt through every engine back to back (so load drifts hit all methods alike)."""
     from firstlight.engine.request import SamplingParams
 
     tps: dict[str, list[float]] = {m: [] for m in engines}
-    before = {m: (e.spec.stats.num_drafts, e.spec.stats.num_accepted_tokens) for m, e in engines.items() if e.spec}
+    tokens = dict.fromkeys(engines, 0)
+    units = dict.fromkeys(engines, 0.0)
+    seconds = dict.fromkeys(engines, 0.0)
+    before = {m: (e.spec.stats.num_drafts, e.spec.stats.num_accepted_tokens, e.spec.stats.num_draft_tokens)
+              for m, e in engines.items() if e.spec}
     for i, ids in enumerate(prompts):
         params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=i, ignore_eos=True)
         for m, engine in engines.items():
-            n, dt = decode_one(engine, ids, params)
+            n, dt, u = decode_one(engine, ids, params, cost)
             tps[m].append(n / dt)
+            tokens[m] += n
+            units[m] += u
+            seconds[m] += dt
     rows = {}
     for m, engine in engines.items():
-        acc = 0.0
+        acc = proposed = 0.0
+        drafts = 0
         if engine.spec:
-            d0, a0 = before[m]
+            d0, a0, p0 = before[m]
             st = engine.spec.stats
-            acc = (st.num_accepted_tokens - a0) / max(1, st.num_drafts - d0)
-        rows[m] = {"decode_tok_s": statistics.median(tps[m]), "mean_accepted_per_step": acc}
+            drafts = st.num_drafts - d0
+            acc = (st.num_accepted_tokens - a0) / max(1, drafts)
+            proposed = (st.num_draft_tokens - p0) / max(1, drafts)
+        rows[m] = {"decode_tok_s": statistics.median(tps[m]), "decode_tok_s_per_prompt": tps[m],
+                   "decode_tok_s_all": tokens[m] / seconds[m],
+                   "decode_tokens": tokens[m], "num_drafts": drafts, "pass_units": units[m],
+                   "predicted_speedup": tokens[m] / units[m] if units[m] else float("nan"),
+                   "mean_accepted_per_step": acc, "mean_proposed_per_step": proposed}
     return rows
 
 
@@ -181,6 +259,7 @@ def main() -> None:
     ap.add_argument("--methods", default="none,ngram,draft,heads")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--sets", default="chat,code,code-edit", help="prompt sets: chat, code (generation), code-edit")
     ap.add_argument("--json", default=None)
     ap.add_argument("--draft-batch", default=None, metavar="CONCURRENCIES",
                     help="e.g. 1,8,16: only time the draft proposer, per request vs batched")
@@ -201,40 +280,49 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump({"args": vars(args), "draft_batch": rows}, f, indent=2)
         return
-    sets = {"chat": [chat_ids(tok, p) for p in CHAT[: args.num_prompts]],
-            "code": [chat_ids(tok, p) for p in CODE[: args.num_prompts]]}
+    all_sets = {"chat": CHAT, "code": CODE, "code-edit": CODE_EDIT}
+    sets = {name: [chat_ids(tok, p) for p in all_sets[name][: args.num_prompts]] for name in args.sets.split(",")}
     heads_path = args.heads or str(default_heads_path(model_dir))
     from firstlight.engine.engine import EngineConfig, LLMEngine
+    from firstlight.engine.spec.adaptive import interpolate_costs
 
+    methods = {label: parse_method(label, args.k) for label in args.methods.split(",") if label != "none"}
+    max_k = max([k for _, k, _ in methods.values()] + [args.k])
+    costs = pass_costs(model, sorted({1, 2, 3, 5, 9, 1 + max_k}))
+    table = interpolate_costs(costs, max_k)  # c(1 + k), k = 0 .. max_k: the bound's and the adaptive policy's
+    print("target pass over n tokens (128-token context), median ms and ratio to n = 1: "
+          + ", ".join(f"n={n}: {t * 1e3:.1f} ({t / costs[1]:.2f})" for n, t in costs.items()))
+    print("pred = decode tokens / sum over decode steps of t_(1+k)/t_1 (k = proposals verified in the step): the "
+          "speedup the pass costs predict with a free proposer (the engine's fixed cost per step, amortized over "
+          "more tokens per step, can put the measured one above it)")
     engines = {}
-    for method in args.methods.split(","):
+    for label in args.methods.split(","):
         spec = None
-        if method != "none":
-            spec = SpecConfig(method, num_spec_tokens=args.k, draft_layers=args.draft_layers, heads_path=heads_path)
-        engines[method] = LLMEngine(model, tok, EngineConfig(speculative=spec, kv_cache_bytes=256 << 20,
-                                                             enable_prefix_caching=False))
-    t1, tk = pass_cost_ratio(model, args.k)
-    ratio = tk / t1
-    print(f"target pass: 1 token {t1 * 1e3:.1f} ms, {1 + args.k} tokens {tk * 1e3:.1f} ms (ratio {ratio:.2f}); "
-          f"bound = (accepted + 1) / ratio, proposer cost excluded")
+        if label != "none":
+            method, k, adaptive = methods[label]
+            spec = SpecConfig(method, num_spec_tokens=k, adaptive_k=adaptive, draft_layers=args.draft_layers,
+                              heads_path=heads_path, pass_costs=tuple(table[: k + 1]) if adaptive else None)
+        engines[label] = LLMEngine(model, tok, EngineConfig(speculative=spec, kv_cache_bytes=256 << 20,
+                                                            enable_prefix_caching=False))
     rows = []
-    print(f"model {args.model}, fp32, engine, one request at a time, threads {args.threads}, k={args.k}, "
+    print(f"model {args.model}, fp32, engine, one request at a time, threads {args.threads}, k={args.k} unless +aN, "
           f"{args.max_tokens} tokens/prompt, {args.num_prompts} prompts/set; tok/s = median over prompts")
-    print(f"{'method':8} {'T':>3} {'set':5} {'tok/s':>8} {'speedup':>8} {'acc/step':>9} {'bound':>6}")
+    print("speedup = median tok/s over prompts / none's; all = total tokens / total time, / none's")
+    print(f"{'method':10} {'T':>3} {'set':9} {'tok/s':>8} {'speedup':>8} {'all':>6} {'k/step':>7} {'acc/step':>9} "
+          f"{'pred':>6}")
     for temperature in [float(t) for t in args.temperatures.split(",")]:
         for name, prompts in sets.items():
-            res = run_set(engines, prompts, args, temperature)
+            res = run_set(engines, prompts, args, temperature, lambda n: table[n - 1])
             base = res["none"]["decode_tok_s"] if "none" in res else float("nan")
             for method, r in res.items():
-                r.update(method=method, temperature=temperature, set=name, speedup=r["decode_tok_s"] / base)
+                r.update(method=method, temperature=temperature, set=name, speedup=r["decode_tok_s"] / base,
+                         speedup_all=r["decode_tok_s_all"] / res["none"]["decode_tok_s_all"] if "none" in res else None)
                 rows.append(r)
-                # bound: tokens per step / cost of a (1 + k)-token pass relative to a 1-token pass
-                r["bound"] = (r["mean_accepted_per_step"] + 1) / (ratio if method != "none" else 1.0)
-                print(f"{method:8} {temperature:3.0f} {name:5} {r['decode_tok_s']:8.1f} {r['speedup']:7.2f}x "
-                      f"{r['mean_accepted_per_step']:9.2f} {r['bound']:5.2f}x", flush=True)
+                print(f"{method:10} {temperature:3.0f} {name:9} {r['decode_tok_s']:8.1f} {r['speedup']:7.2f}x "
+                      f"{r['speedup_all'] or float('nan'):5.2f}x {r['mean_proposed_per_step']:7.2f} {r['mean_accepted_per_step']:9.2f} {r['predicted_speedup']:5.2f}x", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "pass_s": {"1": t1, str(1 + args.k): tk}, "rows": rows}, f, indent=2)
+            json.dump({"args": vars(args), "pass_s": costs, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,10 @@ def serve(
     quantization: str = typer.Option("none", help="Weight quantization: none, int8, int4, fp8."),
     threads: int | None = typer.Option(None, help="torch intra-op threads (default: torch's)."),
     speculative: str = typer.Option("none", help="Speculative decoding: none, ngram, draft, heads."),
-    num_spec_tokens: int = typer.Option(4, help="Tokens proposed and verified per step when speculating."),
+    num_spec_tokens: int = typer.Option(4, help="Tokens proposed and verified per step when speculating "
+                                        "(with --adaptive-k: the most per step)."),
+    adaptive_k: bool = typer.Option(False, help="Per request and step, propose the number of tokens with the most "
+                                    "expected tokens per unit of measured pass cost (0 when guesses do not pay)."),
     draft_model: str | None = typer.Option(None, help="--speculative draft: a model with the same tokenizer "
                                            "(default: the target's first --draft-layers layers)."),
     draft_layers: int | None = typer.Option(None, help="Self-speculative draft depth (default: a quarter of the layers)."),
@@ -48,8 +51,8 @@ def serve(
 
         if speculative == "heads" and heads is None:
             heads = str(default_heads_path(resolve(model)))
-        spec = SpecConfig(speculative, num_spec_tokens=num_spec_tokens, draft_model=draft_model,
-                          draft_layers=draft_layers, heads_path=heads)
+        spec = SpecConfig(speculative, num_spec_tokens=num_spec_tokens, adaptive_k=adaptive_k,
+                          draft_model=draft_model, draft_layers=draft_layers, heads_path=heads)
     run_server(
         model,
         host=host,

@@ -116,30 +116,6 @@ def decode_one(engine, ids: list[int], params, cost=None) -> tuple[int, float, f
     return n, time.perf_counter() - t_first, units
 
 
-def pass_costs(model, sizes: list[int], context: int = 128, repeats: int = 15) -> dict[int, float]:  # noqa: ANN001
-    """Median seconds of one target pass over n tokens after `context` tokens (contiguous cache), for
-    each n in `sizes`, interleaved so load drift hits all sizes alike. A speculative step that emits
-    a tokens at the cost of an n-token pass cannot beat a / (t_n / t_1)."""
-    from firstlight.models.kv_cache import ContiguousKVCache
-
-    cfg = model.config
-
-    def once(n: int) -> float:
-        cache = ContiguousKVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, context + n)
-        with torch.inference_mode():
-            model.forward_hidden(torch.ones(1, context, dtype=torch.long), torch.arange(context)[None], cache)
-            t0 = time.perf_counter()
-            h = model.forward_hidden(torch.ones(1, n, dtype=torch.long), torch.arange(context, context + n)[None], cache)
-            model.compute_logits(h)
-            return time.perf_counter() - t0
-
-    times: dict[int, list[float]] = {n: [] for n in sizes}
-    for _ in range(repeats):
-        for n in sizes:
-            times[n].append(once(n))
-    return {n: statistics.median(v) for n, v in times.items()}
-
-
 def parse_method(label: str, k: int) -> tuple[str, int, bool]:
     """`ngram` -> (ngram, k, fixed); `ngram+a16` -> (ngram, 16, adaptive)."""
     name, _, opt = label.partition("+")
@@ -284,11 +260,11 @@ def main() -> None:
     sets = {name: [chat_ids(tok, p) for p in all_sets[name][: args.num_prompts]] for name in args.sets.split(",")}
     heads_path = args.heads or str(default_heads_path(model_dir))
     from firstlight.engine.engine import EngineConfig, LLMEngine
-    from firstlight.engine.spec.adaptive import interpolate_costs
+    from firstlight.engine.spec.adaptive import interpolate_costs, time_passes
 
     methods = {label: parse_method(label, args.k) for label in args.methods.split(",") if label != "none"}
     max_k = max([k for _, k, _ in methods.values()] + [args.k])
-    costs = pass_costs(model, sorted({1, 2, 3, 5, 9, 1 + max_k}))
+    costs = time_passes(model, sorted({1, 2, 3, 5, 9, 1 + max_k}), context=128, repeats=15)
     table = interpolate_costs(costs, max_k)  # c(1 + k), k = 0 .. max_k: the bound's and the adaptive policy's
     print("target pass over n tokens (128-token context), median ms and ratio to n = 1: "
           + ", ".join(f"n={n}: {t * 1e3:.1f} ({t / costs[1]:.2f})" for n, t in costs.items()))

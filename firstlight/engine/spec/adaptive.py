@@ -90,34 +90,39 @@ def interpolate_costs(measured: dict[int, float], max_k: int) -> list[float]:
 
 
 @torch.inference_mode()
-def measure_pass_costs(model: torch.nn.Module, max_k: int, context: int = 64, repeats: int = 3) -> list[float]:
-    """c(1 + k) for k = 0 .. max_k: median time of a batch-1 pass over 1 + k tokens after `context`
-    tokens (contiguous cache, logits included) relative to a 1-token pass. Sizes 1, 2, 3, 5, 9, 17
-    (up to 1 + max_k) are timed interleaved; the others are interpolated."""
+def time_passes(model: torch.nn.Module, sizes: Sequence[int], context: int = 64, repeats: int = 3) -> dict[int, float]:
+    """Median seconds of a batch-1 pass over n tokens after `context` tokens (contiguous cache,
+    logits included) for each n in `sizes`, timed interleaved (after one warm-up round) so load drift
+    hits every size alike."""
     from firstlight.models.kv_cache import ContiguousKVCache
 
     cfg = model.config
-    sizes = sorted({n for n in (1, 2, 3, 5, 9, 17) if n <= 1 + max_k} | {1 + max_k})
-    device = next(model.parameters()).device
-    cache = ContiguousKVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, context + sizes[-1],
-                              dtype=next(model.parameters()).dtype, device=device)
-    ids = torch.ones(1, context + sizes[-1], dtype=torch.long, device=device)
-    positions = torch.arange(context + sizes[-1], device=device)[None]
+    param = next(model.parameters())
+    longest = context + max(sizes)
+    cache = ContiguousKVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, longest, dtype=param.dtype,
+                              device=param.device)
+    ids = torch.ones(1, longest, dtype=torch.long, device=param.device)
+    positions = torch.arange(longest, device=param.device)[None]
+    sync = torch.cuda.synchronize if param.device.type == "cuda" else (lambda: None)
 
     def once(n: int) -> float:
         cache.length = context  # roll back to the prefix
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
-        h = model.forward_hidden(ids[:, context : context + n], positions[:, context : context + n], cache)
-        model.compute_logits(h)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        model.compute_logits(model.forward_hidden(ids[:, context : context + n], positions[:, context : context + n], cache))
+        sync()
         return time.perf_counter() - t0
 
     model.forward_hidden(ids[:, :context], positions[:, :context], cache)
     times: dict[int, list[float]] = {n: [] for n in sizes}
-    for _ in range(repeats + 1):  # the first round warms up
+    for _ in range(repeats + 1):
         for n in sizes:
             times[n].append(once(n))
-    return interpolate_costs({n: statistics.median(v[1:]) for n, v in times.items()}, max_k)
+    return {n: statistics.median(v[1:]) for n, v in times.items()}
+
+
+def measure_pass_costs(model: torch.nn.Module, max_k: int, context: int = 64, repeats: int = 3) -> list[float]:
+    """c(1 + k) for k = 0 .. max_k relative to a 1-token pass: sizes 1, 2, 3, 5, 9, 17 (up to 1 + max_k)
+    and 1 + max_k timed, the others interpolated."""
+    sizes = sorted({n for n in (1, 2, 3, 5, 9, 17) if n <= 1 + max_k} | {1 + max_k})
+    return interpolate_costs(time_passes(model, sizes, context, repeats), max_k)

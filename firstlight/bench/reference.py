@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 
-from firstlight.bench.stamped import serve_stamped
+from firstlight.bench.stamped import StampedTransport, serve_stamped
 from firstlight.errors import FirstlightError
 
 _WORDS = [" alpha", " beta", " gamma", " delta", " omega", " sigma", " kappa", " theta"]
@@ -119,16 +119,18 @@ class _Counters:
         self.completed = 0
 
 
-class _Conn(asyncio.Protocol):
+class _Conn:
+    """One connection, driven by a `StampedTransport` (firstlight/bench/stamped.py)."""
+
     def __init__(self, server: ReferenceServer) -> None:
         self.srv = server
         self.buf = b""
-        self.transport: asyncio.Transport | None = None
+        self.transport: StampedTransport | None = None
         self.busy = False  # a response is streaming; further pipelined requests wait
         self.handles: list[asyncio.TimerHandle] = []
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+    def connection_made(self, transport: StampedTransport) -> None:
+        self.transport = transport
 
     def connection_lost(self, exc: Exception | None) -> None:
         for h in self.handles:

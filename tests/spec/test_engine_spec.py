@@ -114,14 +114,14 @@ def test_adaptive_k_is_exact_and_follows_acceptance(tiny, heads_file, tmp_path, 
                 done[out.request_id] = out.output_token_ids
         for r in engine.scheduler.running:  # what was proposed is what the policy chose (or fewer)
             acc = engine.spec._acceptance.get(r.request_id)
-            if r.spec_token_ids and acc is not None:
-                chosen = best_k(acc.rate, costs, cap)
-                assert 1 <= len(r.spec_token_ids) <= chosen
+            if acc is not None:
+                chosen = best_k(acc.rate, costs, cap, engine.spec.proposer.cost)
+                assert len(r.spec_token_ids) <= chosen
                 ks.add(chosen)
         engine.kv.check_invariants()
     engine.close()
     assert [done[i] for i in ids] == want
-    assert len(ks) > 1  # k moved with the acceptance
+    assert len(ks) > 1  # k moved with the acceptance (0 included: not worth proposing)
 
 
 def test_adaptive_policy_math():
@@ -216,3 +216,22 @@ def test_adaptive_k_measures_pass_costs_and_checks_given_ones(tiny):
     engine.close()
     with pytest.raises(FirstlightError, match="pass_costs"):
         SpecConfig("ngram", 4, adaptive_k=True, pass_costs=(1.0, 1.1))
+
+
+def test_proposer_costs_count_the_weights_they_read(tiny, heads_file, tmp_path):
+    """Adaptive k charges a proposer what it reads: heads the LM head once, a draft k x its layers."""
+    from firstlight.engine.spec.adaptive import best_k, decode_bytes, module_bytes
+
+    model, tok = tiny
+    full = decode_bytes(model)
+    engines = {m: LLMEngine(model, tok, EngineConfig(block_size=4, num_blocks=64, speculative=_spec(m, heads_file, tmp_path)))
+               for m in ("ngram", "heads", "draft-self")}
+    ngram, heads, draft = (engines[m].spec.proposer for m in ("ngram", "heads", "draft-self"))
+    assert ngram.cost(4) == 0.0
+    assert heads.cost(1) == heads.cost(4) == module_bytes(heads.heads, model.lm_head) / full
+    assert abs(draft.cost(3) - 3 * decode_bytes(model, 2) / full) < 1e-12 and 0 < draft.cost(1) < 1
+    flat = [1.0] * 5
+    assert best_k(0.5, flat, 4) == 4 and best_k(0.5, flat, 4, draft.cost) < 4  # its own cost holds k back
+    assert best_k(0.05, flat, 4, heads.cost) == 0
+    for e in engines.values():
+        e.close()

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -65,14 +66,34 @@ def expected_tokens(rate: float, k: int) -> float:
     return (1.0 - rate ** (k + 1)) / (1.0 - rate)
 
 
-def best_k(rate: float, costs: Sequence[float], cap: int) -> int:
-    """argmax over k in [0, cap] of expected_tokens(rate, k) / costs[k]; costs[k] = c(1 + k), costs[0] = 1."""
+def best_k(rate: float, costs: Sequence[float], cap: int, proposer_cost: Callable[[int], float] | None = None) -> int:
+    """argmax over k in [0, cap] of expected_tokens(rate, k) / (costs[k] + proposer_cost(k));
+    costs[k] = c(1 + k), costs[0] = 1; proposer_cost in the same units (default: free)."""
     best, best_value = 0, 1.0 / costs[0]
     for k in range(1, min(cap, len(costs) - 1) + 1):
-        value = expected_tokens(rate, k) / costs[k]
+        value = expected_tokens(rate, k) / (costs[k] + (proposer_cost(k) if proposer_cost else 0.0))
         if value > best_value * (1 + 1e-9):
             best, best_value = k, value
     return best
+
+
+def decode_bytes(model: torch.nn.Module, num_layers: int | None = None) -> int:
+    """Weight bytes one decode token reads: the first `num_layers` layers (all by default), the final
+    norm and the LM head (the embedding lookup reads one row). A proposer's cost estimate: batch-1
+    decode streams its weights, so cost ~ bytes read."""
+    return module_bytes(*model.layers[:num_layers], model.norm, model.lm_head)
+
+
+def module_bytes(*modules: torch.nn.Module) -> int:
+    """Bytes of the parameters and buffers of `modules` (quantized weights are often buffers),
+    each tensor counted once."""
+    seen: set[int] = set()
+    total = 0
+    for t in chain.from_iterable(chain(m.parameters(), m.buffers()) for m in modules):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
 
 
 def interpolate_costs(measured: dict[int, float], max_k: int) -> list[float]:

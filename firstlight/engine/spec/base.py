@@ -53,6 +53,11 @@ class Proposer:
     def free(self, request_id: str) -> None:
         """Drop any per-request state (the request finished or was preempted)."""
 
+    def cost(self, k: int) -> float:
+        """What proposing k tokens for one request costs, in target 1-token passes (adaptive k adds it
+        to the verification pass). Default: free (n-gram lookup)."""
+        return 0.0
+
 
 def sample_from_logits(
     logits: torch.Tensor, temperature: float, generator: torch.Generator | None

@@ -73,7 +73,7 @@ class SpecDecoder:
         k = self._cap(request)
         if self.config.adaptive_k:
             rate = self._acceptance.setdefault(request.request_id, Acceptance()).rate
-            k = best_k(rate, self.pass_costs, k)
+            k = best_k(rate, self.pass_costs, k, self.proposer.cost)
         # all accepted + the bonus token must fit in max_tokens and in the context
         return max(0, min(k, p.max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens - 1))
 

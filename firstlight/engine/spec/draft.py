@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from firstlight.engine.spec.adaptive import decode_bytes
 from firstlight.engine.spec.base import Proposal, Proposer, SpecRequest, sample_from_logits
 from firstlight.engine.spec.config import SpecConfig
 from firstlight.engine.spec.draft_cache import DraftKVPool
@@ -112,18 +113,26 @@ class DraftProposer(Proposer):
         self._kv_shape = (num_layers, cfg.num_kv_heads, cfg.head_dim, p.dtype, p.device)
         self.pool = DraftKVPool(*self._kv_shape)
         self._caches: dict[str, tuple[GrowableKVCache, list[int]]] = {}  # batched=False only
+        self.token_cost = 0.0  # one draft token in target 1-token passes; from_config sets it
+
+    def cost(self, k: int) -> float:
+        return k * self.token_cost
 
     @classmethod
     def from_config(cls, cfg: SpecConfig, target: Any, tokenizer: Any) -> DraftProposer:
         if cfg.draft_model is None:
-            return cls(TruncatedModel(target, cfg.draft_layers or max(1, len(target.layers) // 4)))
+            proposer = cls(TruncatedModel(target, cfg.draft_layers or max(1, len(target.layers) // 4)))
+            proposer.token_cost = decode_bytes(target, proposer.draft.num_layers) / decode_bytes(target)
+            return proposer
         from firstlight.models.hub import resolve
         from firstlight.models.loader import load_model
 
         dtype = next(target.parameters()).dtype
         draft, draft_tok = load_model(resolve(cfg.draft_model), dtype=dtype, device=str(next(target.parameters()).device))
         check_same_vocab(target, tokenizer, draft, draft_tok, cfg.draft_model)
-        return cls(draft.eval())
+        proposer = cls(draft.eval())
+        proposer.token_cost = decode_bytes(draft) / decode_bytes(target)
+        return proposer
 
     def free(self, request_id: str) -> None:
         self.pool.free(request_id)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from firstlight.engine.spec.adaptive import decode_bytes, module_bytes
 from firstlight.engine.spec.base import Proposal, Proposer, SpecRequest, sample_from_logits
 from firstlight.engine.spec.config import SpecConfig
 from firstlight.engine.spec.medusa import HEADS_FILE, MedusaHeads, load_heads, model_name
@@ -30,6 +31,8 @@ class HeadsProposer(Proposer):
         self.target = target
         p = next(target.parameters())
         self.heads = heads.to(device=p.device, dtype=p.dtype).eval()
+        # one proposal call reads the heads and the LM head once, whatever k (memory-bound estimate)
+        self._cost = module_bytes(self.heads, target.lm_head) / decode_bytes(target)
 
     @classmethod
     def from_config(cls, cfg: SpecConfig, target: Any, tokenizer: Any) -> HeadsProposer:
@@ -45,6 +48,9 @@ class HeadsProposer(Proposer):
                 "lower --num-spec-tokens or train more heads"
             )
         return cls(target, heads)
+
+    def cost(self, k: int) -> float:
+        return self._cost
 
     @torch.inference_mode()
     def propose(self, requests: list[SpecRequest]) -> list[Proposal]:

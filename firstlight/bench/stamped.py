@@ -110,9 +110,6 @@ class StampedTransport:
             self.loop.add_writer(self.fd, self._writable)
         self.out += data
 
-    def is_closing(self) -> bool:
-        return self.closing
-
     def _lost(self, exc: Exception | None) -> None:
         self._shut(exc)
 

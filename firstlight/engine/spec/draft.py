@@ -103,7 +103,7 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 class DraftProposer(Proposer):
     name = "draft"
 
-    def __init__(self, draft: Any, batched: bool = True) -> None:
+    def __init__(self, draft: Any, batched: bool = True, target: Any = None) -> None:
         self.draft = draft
         self.batched = batched
         cfg = draft.config
@@ -113,7 +113,11 @@ class DraftProposer(Proposer):
         self._kv_shape = (num_layers, cfg.num_kv_heads, cfg.head_dim, p.dtype, p.device)
         self.pool = DraftKVPool(*self._kv_shape)
         self._caches: dict[str, tuple[GrowableKVCache, list[int]]] = {}  # batched=False only
-        self.token_cost = 0.0  # one draft token in target 1-token passes; from_config sets it
+        # one draft token in target 1-token passes (weights read); unknown without the target: free
+        self.token_cost = 0.0
+        if target is not None:
+            own = decode_bytes(target, draft.num_layers) if isinstance(draft, TruncatedModel) else decode_bytes(draft)
+            self.token_cost = own / decode_bytes(target)
 
     def cost(self, k: int) -> float:
         return k * self.token_cost
@@ -121,18 +125,14 @@ class DraftProposer(Proposer):
     @classmethod
     def from_config(cls, cfg: SpecConfig, target: Any, tokenizer: Any) -> DraftProposer:
         if cfg.draft_model is None:
-            proposer = cls(TruncatedModel(target, cfg.draft_layers or max(1, len(target.layers) // 4)))
-            proposer.token_cost = decode_bytes(target, proposer.draft.num_layers) / decode_bytes(target)
-            return proposer
+            return cls(TruncatedModel(target, cfg.draft_layers or max(1, len(target.layers) // 4)), target=target)
         from firstlight.models.hub import resolve
         from firstlight.models.loader import load_model
 
         dtype = next(target.parameters()).dtype
         draft, draft_tok = load_model(resolve(cfg.draft_model), dtype=dtype, device=str(next(target.parameters()).device))
         check_same_vocab(target, tokenizer, draft, draft_tok, cfg.draft_model)
-        proposer = cls(draft.eval())
-        proposer.token_cost = decode_bytes(draft) / decode_bytes(target)
-        return proposer
+        return cls(draft.eval(), target=target)
 
     def free(self, request_id: str) -> None:
         self.pool.free(request_id)

@@ -37,10 +37,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from firstlight.engine.quant.calibrated import DEFAULT_METHODS, calibration_token_ids, default_cache_dir
-    from firstlight.engine.quant.quality import corpus_ids, evaluate_formats
     from firstlight.models import hub
     from firstlight.models.loader import load_model
+    from firstlight.quant.calibrated import DEFAULT_METHODS, calibration_token_ids, default_cache_dir
+    from firstlight.quant.quality import corpus_ids, evaluate_formats
 
     path = hub.resolve(args.model)
     model, tok = load_model(path)

@@ -27,7 +27,7 @@ from _common import copy_bandwidth_gbs
 
 def bytes_read_per_token(model: torch.nn.Module) -> int:
     """Weight bytes a batch-1 decode step reads: all but the embedding table (one row of it)."""
-    from firstlight.engine.quant import model_weight_bytes
+    from firstlight.quant import model_weight_bytes
 
     emb = model.embed_tokens
     table = [t for t in [*emb.parameters(), *emb.buffers()]]
@@ -69,9 +69,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from firstlight.engine.quant import model_weight_bytes, quantize_model
     from firstlight.models import hub
     from firstlight.models.loader import load_model
+    from firstlight.quant import model_weight_bytes, quantize_model
 
     path = hub.resolve(args.model)
     base, tok = load_model(path)

@@ -166,8 +166,8 @@ def draft_batch(model, tok, args) -> list[dict]:  # noqa: ANN001
     """Median proposal ms per engine step, old (per request) vs new (batched), per concurrency."""
     from firstlight.engine.engine import EngineConfig, LLMEngine
     from firstlight.engine.request import SamplingParams
-    from firstlight.engine.spec.config import SpecConfig
-    from firstlight.engine.spec.draft import DraftProposer
+    from firstlight.engine.speculative.config import SpecConfig
+    from firstlight.engine.speculative.draft import DraftProposer
 
     prompts = [chat_ids(tok, p) for p in CHAT + CODE]
     # Bounds: a draft step reads the draft's weights (its layers + the LM head) once per forward: the
@@ -242,8 +242,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from firstlight.engine.spec.config import SpecConfig
-    from firstlight.engine.spec.medusa import default_heads_path
+    from firstlight.engine.speculative.config import SpecConfig
+    from firstlight.engine.speculative.medusa import default_heads_path
     from firstlight.models.hub import resolve
     from firstlight.models.loader import load_model
 
@@ -260,7 +260,7 @@ def main() -> None:
     sets = {name: [chat_ids(tok, p) for p in all_sets[name][: args.num_prompts]] for name in args.sets.split(",")}
     heads_path = args.heads or str(default_heads_path(model_dir))
     from firstlight.engine.engine import EngineConfig, LLMEngine
-    from firstlight.engine.spec.adaptive import interpolate_costs, time_passes
+    from firstlight.engine.speculative.adaptive import interpolate_costs, time_passes
 
     methods = {label: parse_method(label, args.k) for label in args.methods.split(",") if label != "none"}
     max_k = max([k for _, k, _ in methods.values()] + [args.k])

@@ -45,8 +45,8 @@ def serve(
         raise FirstlightError(f"--kv-cache-gib must be > 0, got {kv_cache_gib}")
     spec = None
     if speculative != "none":
-        from firstlight.engine.spec.config import SpecConfig
-        from firstlight.engine.spec.medusa import default_heads_path
+        from firstlight.engine.speculative.config import SpecConfig
+        from firstlight.engine.speculative.medusa import default_heads_path
         from firstlight.models.hub import resolve
 
         if speculative == "heads" and heads is None:

@@ -22,7 +22,7 @@ from firstlight.engine.request import Request, RequestStatus, SamplingParams
 from firstlight.engine.runner import ModelRunner
 from firstlight.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from firstlight.engine.scheduler import Scheduler, SchedulerConfig
-from firstlight.engine.spec.config import SpecConfig
+from firstlight.engine.speculative.config import SpecConfig
 from firstlight.errors import FirstlightError
 
 
@@ -124,7 +124,7 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.spec = None
         if config.speculative is not None:
-            from firstlight.engine.spec.decoder import SpecDecoder
+            from firstlight.engine.speculative.decoder import SpecDecoder
 
             self.spec = SpecDecoder(config.speculative, model, tokenizer, self.sampler)
             self.runner.keep_hidden = self.spec.needs_hidden

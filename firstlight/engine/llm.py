@@ -15,9 +15,9 @@ def load(
     name_or_path: str | Path, dtype: str = "float32", quantization: str | None = None
 ) -> tuple[torch.nn.Module, Any]:
     """(model, tokenizer) for a model name (`firstlight models list`) or a checkpoint dir."""
-    from firstlight.engine.quant import apply_quantization
     from firstlight.models.hub import resolve
     from firstlight.models.loader import load_model
+    from firstlight.quant import apply_quantization
 
     model, tokenizer = load_model(resolve(str(name_or_path)), dtype=dtype)
     apply_quantization(model, quantization, tokenizer=tokenizer)

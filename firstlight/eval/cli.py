@@ -26,7 +26,7 @@ CALIBRATION = typer.Option("shakespeare", help="GPTQ calibration corpus (any par
 
 
 def _formats(quantization: str) -> list[str]:
-    from firstlight.engine.quant import list_formats
+    from firstlight.quant import list_formats
 
     names = [q.strip() for q in quantization.split(",") if q.strip()]
     if names == ["all"]:
@@ -39,12 +39,12 @@ def _run(model: str, quantization: str, corpus: str, max_tokens: int, window: in
          method: str = "auto", calibration: str = "shakespeare") -> None:
     import torch
 
-    from firstlight.engine.quant import get_format
-    from firstlight.engine.quant.calibrated import DEFAULT_METHODS, calibration_token_ids, default_cache_dir
-    from firstlight.engine.quant.quality import corpus_ids, evaluate_formats
     from firstlight.errors import FirstlightError
     from firstlight.models import hub
     from firstlight.models.loader import load_model
+    from firstlight.quant import get_format
+    from firstlight.quant.calibrated import DEFAULT_METHODS, calibration_token_ids, default_cache_dir
+    from firstlight.quant.quality import corpus_ids, evaluate_formats
 
     if not 1 <= stride < window:
         raise FirstlightError(f"--stride {stride} must be in 1..{window - 1} (below --window {window})")

@@ -79,7 +79,7 @@ def generate(
     net, tokenizer = load_model(path, dtype=dtype)
     if quantization != "none":
         # A CLI-level composition: the model library itself never imports the engine.
-        from firstlight.engine.quant import apply_quantization
+        from firstlight.quant import apply_quantization
 
         err.print(f"[dim]{apply_quantization(net, quantization, tokenizer=tokenizer).summary()}[/]")
     if chat:

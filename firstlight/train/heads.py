@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from firstlight.engine.spec.medusa import MedusaHeads, default_heads_path, model_name, save_heads
+from firstlight.engine.speculative.medusa import MedusaHeads, default_heads_path, model_name, save_heads
 from firstlight.errors import FirstlightError
 from firstlight.models.kv_cache import ContiguousKVCache
 from firstlight.train.data import batches, token_chunks

@@ -95,7 +95,7 @@ def _run(model: str, target: str, dtype: str, prompt_file: Path | None, new_toke
     cfg = VerifyConfig(new_tokens=new_tokens, ppl_tokens=ppl_tokens)
     ours = None
     if quantization != "none":
-        from firstlight.engine.quant import apply_quantization
+        from firstlight.quant import apply_quantization
 
         ours, _ = load_model(path, dtype=torch_dtype, with_tokenizer=False)
         apply_quantization(ours, quantization, tokenizer=tok)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from firstlight.engine.spec.config import SpecConfig
+from firstlight.engine.speculative.config import SpecConfig
 
 from .server_helpers import running_server, wait_idle
 from .test_engine import full_forward_greedy

@@ -7,13 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-from firstlight.engine.quant import QuantizationError, quantize_model
-from firstlight.engine.quant.calibrated import calibration_text, calibration_token_ids
-from firstlight.engine.quant.fp8 import FP8Grid
-from firstlight.engine.quant.gptq import collect_hessians, gptq_quantize, output_error
-from firstlight.engine.quant.int4 import Int4GroupGrid
-from firstlight.engine.quant.int8 import Int8ChannelGrid, Int8WeightOnlyLinear
 from firstlight.models.loader import load_model
+from firstlight.quant import QuantizationError, quantize_model
+from firstlight.quant.calibrated import calibration_text, calibration_token_ids
+from firstlight.quant.fp8 import FP8Grid
+from firstlight.quant.gptq import collect_hessians, gptq_quantize, output_error
+from firstlight.quant.int4 import Int4GroupGrid
+from firstlight.quant.int8 import Int8ChannelGrid, Int8WeightOnlyLinear
 
 GRIDS = {
     "int8": lambda: Int8ChannelGrid(torch.bfloat16),

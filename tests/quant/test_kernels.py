@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from firstlight.engine.quant import QuantizationError, get_format
-from firstlight.engine.quant.fp8 import FP8_MAX, quantize_fp8
-from firstlight.engine.quant.int4 import dequantize_groupwise_int4, quantize_groupwise_int4
-from firstlight.engine.quant.int8 import quantize_per_channel_int8
+from firstlight.quant import QuantizationError, get_format
+from firstlight.quant.fp8 import FP8_MAX, quantize_fp8
+from firstlight.quant.int4 import dequantize_groupwise_int4, quantize_groupwise_int4
+from firstlight.quant.int8 import quantize_per_channel_int8
 
 
 def _linear(n: int, k: int, bias: bool = True, seed: int = 0) -> nn.Linear:

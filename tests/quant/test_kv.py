@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from firstlight.engine.quant import (
+from firstlight.models.kv_cache import ContiguousKVCache
+from firstlight.models.loader import load_model
+from firstlight.quant import (
     QuantizationError,
     QuantizedKVCache,
     dequantize_kv,
     make_kv_cache,
     quantize_kv,
 )
-from firstlight.models.kv_cache import ContiguousKVCache
-from firstlight.models.loader import load_model
 
 
 @pytest.mark.parametrize("fmt,rel_step", [("int8", 1 / 127 / 2), ("fp8", 2**-4)])

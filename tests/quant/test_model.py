@@ -7,7 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from firstlight.engine.quant import (
+from firstlight.errors import FirstlightError
+from firstlight.models.generate import generate_tokens
+from firstlight.models.loader import load_model
+from firstlight.quant import (
     QuantizationError,
     apply_quantization,
     get_format,
@@ -15,11 +18,8 @@ from firstlight.engine.quant import (
     model_weight_bytes,
     quantize_model,
 )
-from firstlight.engine.quant.base import QuantizedModule
-from firstlight.engine.quant.int8 import Int8Embedding
-from firstlight.errors import FirstlightError
-from firstlight.models.generate import generate_tokens
-from firstlight.models.loader import load_model
+from firstlight.quant.base import QuantizedModule
+from firstlight.quant.int8 import Int8Embedding
 
 FORMATS = ["int8", "int4", "fp8"]
 

@@ -18,11 +18,11 @@ KL_CEILINGS = {"int8": 0.005, "fp8": 0.02, "int4": 0.005}  # a little above the 
 
 @pytest.fixture(scope="module")
 def gate():
-    from firstlight.engine.quant.calibrated import DEFAULT_METHODS, calibration_token_ids, default_cache_dir
-    from firstlight.engine.quant.quality import corpus_ids, evaluate_formats
     from firstlight.errors import FirstlightError
     from firstlight.models import hub
     from firstlight.models.loader import load_model
+    from firstlight.quant.calibrated import DEFAULT_METHODS, calibration_token_ids, default_cache_dir
+    from firstlight.quant.quality import corpus_ids, evaluate_formats
 
     try:
         path = hub.resolve("smollm2-135m", auto_pull=False)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from firstlight.engine.spec.medusa import load_heads, model_name
+from firstlight.engine.speculative.medusa import load_heads, model_name
 from firstlight.errors import FirstlightError
 from firstlight.models.loader import load_model
 from firstlight.train.heads import HeadsTrainConfig, train_heads
@@ -23,7 +23,7 @@ def _params(path, model):
 
 
 def test_training_lowers_the_held_out_loss_and_writes_heads_next_to_the_model(tiny_dir, tmp_path):
-    from firstlight.engine.spec.medusa import MedusaHeads
+    from firstlight.engine.speculative.medusa import MedusaHeads
     from firstlight.train.heads import heads_loss, self_distill_batch
 
     train_heads(HeadsTrainConfig(model=str(tiny_dir), out=str(tmp_path / "b.safetensors"), steps=30,

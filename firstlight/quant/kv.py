@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from firstlight.engine.quant.registry import QuantizationError
 from firstlight.models.kv_cache import ContiguousKVCache, KVCache
+from firstlight.quant.registry import QuantizationError
 
 # name -> (storage dtype, largest code magnitude)
 KV_FORMATS: dict[str, tuple[torch.dtype, float]] = {

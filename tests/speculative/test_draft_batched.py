@@ -7,10 +7,10 @@ import torch
 
 from firstlight.engine.engine import EngineConfig, LLMEngine
 from firstlight.engine.request import SamplingParams
-from firstlight.engine.spec.base import SpecRequest
-from firstlight.engine.spec.config import SpecConfig
-from firstlight.engine.spec.draft import DraftProposer, TruncatedModel, common_prefix_len
-from firstlight.engine.spec.draft_cache import DraftKVPool
+from firstlight.engine.speculative.base import SpecRequest
+from firstlight.engine.speculative.config import SpecConfig
+from firstlight.engine.speculative.draft import DraftProposer, TruncatedModel, common_prefix_len
+from firstlight.engine.speculative.draft_cache import DraftKVPool
 
 
 def _prompts(n, seed=0, lo=3, hi=40):

@@ -59,8 +59,8 @@ def evaluate_formats(
     quant_opts: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[QualityResult, list[QualityResult]]:
     """(unquantized result, one result per format); `model` itself is left unquantized."""
-    from firstlight.engine.quant.model import model_weight_bytes, quantize_model
     from firstlight.eval.ppl import mean_kl, perplexity
+    from firstlight.quant.model import model_weight_bytes, quantize_model
 
     ref_ppl = perplexity(model, ids, window=window, stride=stride)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from firstlight.engine.quant.base import QuantizedModule, flatten_tokens, resolve_compute_dtype
-from firstlight.engine.quant.registry import QuantFormat, QuantizationError, register_format, unsupported
+from firstlight.quant.base import QuantizedModule, flatten_tokens, resolve_compute_dtype
+from firstlight.quant.registry import QuantFormat, QuantizationError, register_format, unsupported
 
 GROUP_SIZES = (32, 64, 128, 256)  # what both aten kernels accept
 N_MULTIPLE = 16  # the CPU packing needs N % 16 == 0

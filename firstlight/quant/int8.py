@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from firstlight.engine.quant.base import QuantizedModule, flatten_tokens, resolve_compute_dtype
-from firstlight.engine.quant.registry import QuantFormat, QuantizationError, register_format, unsupported
+from firstlight.quant.base import QuantizedModule, flatten_tokens, resolve_compute_dtype
+from firstlight.quant.registry import QuantFormat, QuantizationError, register_format, unsupported
 
 QMAX = 127.0
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from firstlight.engine.spec.config import SpecConfig
+from firstlight.engine.speculative.config import SpecConfig
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
 from server_helpers import running_server  # noqa: E402

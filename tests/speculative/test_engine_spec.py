@@ -7,8 +7,8 @@ import torch
 
 from firstlight.engine.engine import EngineConfig, LLMEngine
 from firstlight.engine.request import SamplingParams
-from firstlight.engine.spec.config import SpecConfig
-from firstlight.engine.spec.medusa import MedusaHeads, model_name, save_heads
+from firstlight.engine.speculative.config import SpecConfig
+from firstlight.engine.speculative.medusa import MedusaHeads, model_name, save_heads
 from firstlight.errors import FirstlightError
 
 PROMPTS = [[1, 40, 41, 42, 43, 40, 41], [1, 7, 8, 9, 10, 11, 12, 13, 7, 8], [1, 100, 200, 50],
@@ -97,7 +97,7 @@ def test_adaptive_k_is_exact_and_follows_acceptance(tiny, heads_file, tmp_path, 
     """Greedy output is unchanged; k follows each request's acceptance under the given pass costs."""
     from dataclasses import replace
 
-    from firstlight.engine.spec.adaptive import best_k
+    from firstlight.engine.speculative.adaptive import best_k
 
     model, tok = tiny
     greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -125,7 +125,7 @@ def test_adaptive_k_is_exact_and_follows_acceptance(tiny, heads_file, tmp_path, 
 
 
 def test_adaptive_policy_math():
-    from firstlight.engine.spec.adaptive import Acceptance, best_k, expected_tokens, interpolate_costs
+    from firstlight.engine.speculative.adaptive import Acceptance, best_k, expected_tokens, interpolate_costs
 
     assert expected_tokens(0.0, 5) == 1.0 and expected_tokens(1.0, 5) == 6.0
     assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
@@ -205,7 +205,7 @@ def test_kv_trim_frees_only_the_tail_blocks_of_rejected_proposals():
 
 
 def test_adaptive_k_measures_pass_costs_and_checks_given_ones(tiny):
-    from firstlight.engine.spec.adaptive import measure_pass_costs
+    from firstlight.engine.speculative.adaptive import measure_pass_costs
 
     model, tok = tiny
     costs = measure_pass_costs(model, 6, context=8, repeats=1)
@@ -220,7 +220,7 @@ def test_adaptive_k_measures_pass_costs_and_checks_given_ones(tiny):
 
 def test_proposer_costs_count_the_weights_they_read(tiny, heads_file, tmp_path):
     """Adaptive k charges a proposer what it reads: heads the LM head once, a draft k x its layers."""
-    from firstlight.engine.spec.adaptive import best_k, decode_bytes, module_bytes
+    from firstlight.engine.speculative.adaptive import best_k, decode_bytes, module_bytes
 
     model, tok = tiny
     full = decode_bytes(model)

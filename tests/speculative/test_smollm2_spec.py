@@ -5,8 +5,8 @@ import pytest
 
 from firstlight.engine.engine import EngineConfig, LLMEngine
 from firstlight.engine.request import SamplingParams
-from firstlight.engine.spec.config import SpecConfig
-from firstlight.engine.spec.medusa import default_heads_path
+from firstlight.engine.speculative.config import SpecConfig
+from firstlight.engine.speculative.medusa import default_heads_path
 
 pytestmark = pytest.mark.slow
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from firstlight.engine.spec.base import Proposal, Proposer, SpecRequest
-from firstlight.engine.spec.config import SpecConfig
-from firstlight.engine.spec.registry import register
+from firstlight.engine.speculative.base import Proposal, Proposer, SpecRequest
+from firstlight.engine.speculative.config import SpecConfig
+from firstlight.engine.speculative.registry import register
 
 
 def ngram_lookup(tokens: list[int], k: int, min_ngram: int = 1, max_ngram: int = 4) -> list[int]:

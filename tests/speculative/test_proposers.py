@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from firstlight.engine.spec.config import SpecConfig
-from firstlight.engine.spec.generate import SpecStats, speculative_generate
-from firstlight.engine.spec.heads import HeadsProposer
-from firstlight.engine.spec.medusa import MedusaHeads, load_heads, model_name, save_heads
-from firstlight.engine.spec.ngram import ngram_lookup
-from firstlight.engine.spec.registry import make_proposer, proposer_names
+from firstlight.engine.speculative.config import SpecConfig
+from firstlight.engine.speculative.generate import SpecStats, speculative_generate
+from firstlight.engine.speculative.heads import HeadsProposer
+from firstlight.engine.speculative.medusa import MedusaHeads, load_heads, model_name, save_heads
+from firstlight.engine.speculative.ngram import ngram_lookup
+from firstlight.engine.speculative.registry import make_proposer, proposer_names
 from firstlight.errors import FirstlightError
 from firstlight.models.generate import generate_tokens
 

@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from firstlight.engine.quant.base import QuantizedModule, flatten_tokens, resolve_compute_dtype
-from firstlight.engine.quant.registry import QuantFormat, QuantizationError, register_format, unsupported
+from firstlight.quant.base import QuantizedModule, flatten_tokens, resolve_compute_dtype
+from firstlight.quant.registry import QuantFormat, QuantizationError, register_format, unsupported
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448.0

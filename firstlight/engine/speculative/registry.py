@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from firstlight.engine.spec.base import Proposer
-from firstlight.engine.spec.config import SpecConfig
+from firstlight.engine.speculative.base import Proposer
+from firstlight.engine.speculative.config import SpecConfig
 from firstlight.errors import FirstlightError
 
 PROPOSERS: dict[str, type[Proposer]] = {}
@@ -20,7 +20,7 @@ def register(cls: type[Proposer]) -> type[Proposer]:
 
 def _load() -> None:
     for m in _MODULES:
-        importlib.import_module(f"firstlight.engine.spec.{m}")
+        importlib.import_module(f"firstlight.engine.speculative.{m}")
 
 
 def proposer_names() -> list[str]:

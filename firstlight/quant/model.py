@@ -29,16 +29,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from firstlight.engine.quant.base import QuantizedModule
-from firstlight.engine.quant.calibrated import (
+from firstlight.quant.base import QuantizedModule
+from firstlight.quant.calibrated import (
     DEFAULT_CALIBRATION,
     DEFAULT_METHODS,
     calibrate_layers,
     calibration_token_ids,
     default_cache_dir,
 )
-from firstlight.engine.quant.int8 import Int8Embedding, Int8WeightOnlyLinear
-from firstlight.engine.quant.registry import QuantFormat, QuantizationError, get_format
+from firstlight.quant.int8 import Int8Embedding, Int8WeightOnlyLinear
+from firstlight.quant.registry import QuantFormat, QuantizationError, get_format
 
 NO_QUANTIZATION = ("none", "", None)
 METHODS = ("rtn", "gptq")

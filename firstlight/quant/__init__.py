@@ -1,21 +1,21 @@
 """Quantization: weight formats (int8, int4, fp8) registered by name, whole-model quantization with
 a report, and a quantized KV cache. See docs/QUANT.md for the kernel each format runs per device."""
 
-from firstlight.engine.quant.kv import (
+from firstlight.quant.kv import (
     KV_FORMATS,
     QuantizedKVCache,
     dequantize_kv,
     make_kv_cache,
     quantize_kv,
 )
-from firstlight.engine.quant.model import (
+from firstlight.quant.model import (
     QuantizedLayer,
     QuantReport,
     apply_quantization,
     model_weight_bytes,
     quantize_model,
 )
-from firstlight.engine.quant.registry import (
+from firstlight.quant.registry import (
     QuantFormat,
     QuantizationError,
     get_format,

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from firstlight.engine.quant.gptq import collect_hessians, gptq_quantize
-from firstlight.engine.quant.registry import QuantFormat, QuantizationError
+from firstlight.quant.gptq import collect_hessians, gptq_quantize
+from firstlight.quant.registry import QuantFormat, QuantizationError
 
 DEFAULT_CALIBRATION = "shakespeare"  # minus Hamlet; see calibration_token_ids
 DEFAULT_CALIBRATION_TOKENS = 2048

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from firstlight.engine.spec.rejection import rejection_sample
+from firstlight.engine.speculative.rejection import rejection_sample
 
 VOCAB = 10
 

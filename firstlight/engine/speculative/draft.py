@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from firstlight.engine.spec.adaptive import decode_bytes
-from firstlight.engine.spec.base import Proposal, Proposer, SpecRequest, sample_from_logits
-from firstlight.engine.spec.config import SpecConfig
-from firstlight.engine.spec.draft_cache import DraftKVPool
-from firstlight.engine.spec.registry import register
+from firstlight.engine.speculative.adaptive import decode_bytes
+from firstlight.engine.speculative.base import Proposal, Proposer, SpecRequest, sample_from_logits
+from firstlight.engine.speculative.config import SpecConfig
+from firstlight.engine.speculative.draft_cache import DraftKVPool
+from firstlight.engine.speculative.registry import register
 from firstlight.errors import FirstlightError
 from firstlight.models.kv_cache import ContiguousKVCache
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from firstlight.engine.quant.registry import QuantizationError
+from firstlight.quant.registry import QuantizationError
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -5,7 +5,7 @@ of proposing is dominated by the LM head (for SmolLM2-135M, 28M of its 135M weig
 heads read the LM head once for all K proposals ([K, E] @ [E, V] in one matmul), and need no
 per-request KV state, so rollback costs nothing. EAGLE reaches higher acceptance (Li et al. 2024)
 but runs k sequential layer + LM-head steps per proposal and keeps a KV cache to roll back. The
-measured acceptance and speed are in docs/SPEC.md.
+measured acceptance and speed are in docs/SPECULATIVE.md.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from firstlight.engine.spec.adaptive import decode_bytes, module_bytes
-from firstlight.engine.spec.base import Proposal, Proposer, SpecRequest, sample_from_logits
-from firstlight.engine.spec.config import SpecConfig
-from firstlight.engine.spec.medusa import HEADS_FILE, MedusaHeads, load_heads, model_name
-from firstlight.engine.spec.registry import register
+from firstlight.engine.speculative.adaptive import decode_bytes, module_bytes
+from firstlight.engine.speculative.base import Proposal, Proposer, SpecRequest, sample_from_logits
+from firstlight.engine.speculative.config import SpecConfig
+from firstlight.engine.speculative.medusa import HEADS_FILE, MedusaHeads, load_heads, model_name
+from firstlight.engine.speculative.registry import register
 from firstlight.errors import FirstlightError
 
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from firstlight.engine.spec.base import Proposer, SpecRequest
-from firstlight.engine.spec.rejection import rejection_sample
+from firstlight.engine.speculative.base import Proposer, SpecRequest
+from firstlight.engine.speculative.rejection import rejection_sample
 from firstlight.models.kv_cache import ContiguousKVCache
 
 

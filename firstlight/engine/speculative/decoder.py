@@ -21,11 +21,11 @@ import torch
 
 from firstlight.engine.request import Request
 from firstlight.engine.sampler import Sampler, filter_logits
-from firstlight.engine.spec.adaptive import Acceptance, best_k, measure_pass_costs
-from firstlight.engine.spec.base import SpecRequest
-from firstlight.engine.spec.config import SpecConfig
-from firstlight.engine.spec.registry import make_proposer
-from firstlight.engine.spec.rejection import rejection_sample
+from firstlight.engine.speculative.adaptive import Acceptance, best_k, measure_pass_costs
+from firstlight.engine.speculative.base import SpecRequest
+from firstlight.engine.speculative.config import SpecConfig
+from firstlight.engine.speculative.registry import make_proposer
+from firstlight.engine.speculative.rejection import rejection_sample
 
 
 @dataclass

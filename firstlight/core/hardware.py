@@ -15,7 +15,7 @@ reader can always tell a published number from a guess. Unknown keys are an erro
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -32,7 +32,20 @@ DTYPE_BYTES: dict[str, float] = {
     "int8": 1,
     "fp4": 0.5,
     "int4": 0.5,
+    # block formats: element bits plus the shared scale amortized over the block
+    "bfp8": 8.5 / 8,  # Tenstorrent bfp8_b: 8 bits + an 8-bit exponent per 16 values
+    "bfp4": 4.5 / 8,
+    "bfp2": 2.5 / 8,
+    "mxfp8": 8.25 / 8,  # OCP MX: 8 bits + an E8M0 scale per 32 values
+    "mxint8": 8.25 / 8,
+    "mxfp6": 6.25 / 8,
+    "mxfp4": 4.25 / 8,
+    "nvfp4": 4.5 / 8,  # 4 bits + an E4M3 scale per 16 values
 }
+
+# The compute_tflops entry that prices a block format's matmuls (B200 datasheet: FP6 runs at the FP8 rate).
+COMPUTE_CLASS: dict[str, str] = {"bfp8": "fp8", "mxfp8": "fp8", "mxint8": "int8", "mxfp6": "fp8",
+                                 "bfp4": "fp4", "bfp2": "fp4", "mxfp4": "fp4", "nvfp4": "fp4"}
 
 
 class HardwareSpecError(FirstlightError):
@@ -92,6 +105,64 @@ class EfficiencySpec(_Strict):
     collective_overhead_us: float = Field(default=0.0, ge=0)  # software alpha per collective step
 
 
+class MatmulNumericsSpec(_Strict):
+    """How the chip's matrix unit computes one GEMM (format names: `firstlight.numerics.FORMATS`)."""
+
+    a_format: str = "fp32"  # activations (first operand)
+    b_format: str = "fp32"  # weights (second operand) of activation x weight matmuls
+    a_scaling: str | None = None  # scalar fp8 operands: None (saturate) | "tensor" | "block:N"
+    b_scaling: str | None = None
+    b_blocks_along: Literal["k", "n"] = "k"  # weights' shared-scale blocks: along K (OCP MX) or N (TT tile rows)
+    fidelity: str | None = None  # Tenstorrent math fidelity: lofi | hifi2 | hifi3 | hifi4; None = full multiplier
+    accumulator: str = "fp32"  # format partial sums are held in
+    promotion_interval: int | None = Field(default=None, ge=1)  # K between promotions of the partial sum to fp32
+    rounding: Literal["rne", "stochastic", "truncate"] = "rne"
+
+
+class HostFallbackSpec(_Strict):
+    """The path an op that falls back to the host takes: its inputs and output cross this link."""
+
+    bandwidth_gbps: float = Field(gt=0)
+    latency_us: float = Field(ge=0)
+
+
+class NumericsSpec(_Strict):
+    """The chip's arithmetic, for the emulated targets (`--target emulate:<chip>`).
+
+    Every tensor between ops is held in `activation`; activation x weight matmuls (aten.mm/addmm)
+    compute as `matmul` says, activation x activation ones (aten.bmm: attention) as
+    `attention_matmul`; ops in `transcendentals` use that approximation (`firstlight.numerics.APPROX`);
+    an ATen compute op outside `lowered_ops` fails to compile unless an override decomposes it or
+    sends it to the host. `fidelity_tflops` prices each fidelity when it sets the matmul rate.
+    """
+
+    activation: str = "fp32"
+    matmul: MatmulNumericsSpec = MatmulNumericsSpec()
+    attention_matmul: MatmulNumericsSpec | None = None  # None: `matmul` with both operands in a_format
+    embedding: str | None = None  # format of the embedding table (None: `activation`)
+    transcendentals: dict[str, str] = Field(default_factory=dict)  # op -> approximation name
+    tile: tuple[int, int] | None = None  # matmul operands are padded to multiples of this (rows, cols)
+    fidelity_tflops: dict[str, float] = Field(default_factory=dict)  # fidelity -> dense matmul TFLOP/s
+    host_fallback: HostFallbackSpec | None = None
+    lowered_ops: list[str]  # ATen op packets (e.g. "aten.mm") the chip's compiler lowers
+    sources: dict[str, str]
+
+    @model_validator(mode="after")
+    def _check_sources(self) -> NumericsSpec:
+        needed = ["activation", "matmul", "lowered_ops"]
+        for name in ("attention_matmul", "embedding", "tile", "host_fallback"):
+            if getattr(self, name) is not None:
+                needed.append(name)
+        needed += [n for n in ("transcendentals", "fidelity_tflops") if getattr(self, n)]
+        missing = [k for k in needed if not self.sources.get(k, "").strip()]
+        if missing:
+            raise ValueError(f"numerics.sources has no entry for {missing}: cite a document or write 'estimate: why'")
+        bad = [op for op in self.lowered_ops if not op.startswith("aten.")]
+        if bad:
+            raise ValueError(f"numerics.lowered_ops entries must be ATen op packets like 'aten.mm', got {bad}")
+        return self
+
+
 class HardwareSpec(_Strict):
     name: str
     vendor: str = ""
@@ -103,6 +174,7 @@ class HardwareSpec(_Strict):
     power_w: float | None = Field(default=None, gt=0)
     price_per_hour_usd: float | None = Field(default=None, ge=0)
     efficiency: EfficiencySpec = EfficiencySpec()
+    numerics: NumericsSpec | None = None  # how it computes (emulated targets); None: not emulated
     sources: dict[str, str]
     notes: str = ""
 
@@ -137,6 +209,7 @@ class HardwareSpec(_Strict):
         order = ["fp4", "int4", "fp8", "int8", "bf16", "fp16", "tf32", "fp32", "fp64"]
         if dtype in self.compute_tflops:
             return self.compute_tflops[dtype] * 1e12
+        dtype = COMPUTE_CLASS.get(dtype, dtype)
         start = order.index(dtype) if dtype in order else 0
         for d in order[start:]:
             if d in self.compute_tflops:
@@ -187,7 +260,7 @@ def builtin_spec_names() -> list[str]:
     return sorted(p.stem for p in builtin_spec_dir().glob("*.yaml"))
 
 
-_ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb", "mi300": "mi300x", "trn2": "trainium2", "v5e": "tpu-v5e",
+_ALIASES = {"mx": "b200", "h100": "h100-sxm", "a100": "a100-80gb", "mi300": "mi300x", "trn2": "trainium2", "v5e": "tpu-v5e",
             "n300": "wormhole-n300", "p150": "blackhole-p150", "cpu": "cpu-host"}
 
 

@@ -44,6 +44,14 @@ class TargetError(FirstlightError):
     exit_code = 2
 
 
+class OpNotLoweredError(TargetError):
+    """An op the target's compiler does not lower, found at compile time (what, where, which model line)."""
+
+    def __init__(self, message: str, op: str, module: str, line: str | None) -> None:
+        super().__init__(message)
+        self.op, self.module, self.line = op, module, line
+
+
 @dataclass(frozen=True)
 class OpSite:
     """Where an ATen op sits in the model: innermost module path, layer index, n-th call there."""
@@ -61,10 +69,12 @@ class TargetReport:
     ops_lowered: dict[str, int] = field(default_factory=dict)
     ops_fallback: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)  # target-specific: e.g. an emulated chip's predicted times
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": self.dtype, "ops_lowered": dict(sorted(self.ops_lowered.items())),
-                "ops_fallback": dict(sorted(self.ops_fallback.items())), "notes": list(self.notes)}
+                "ops_fallback": dict(sorted(self.ops_fallback.items())), "notes": list(self.notes),
+                **({"details": self.details} if self.details else {})}
 
 
 class Target:
@@ -81,6 +91,16 @@ class Target:
                 f"target '{self.name}' takes no options, got: {', '.join(sorted(options))}"
             )
         self.dtype = dtype
+
+    @property
+    def tolerance_dtype(self) -> torch.dtype:
+        """The precision results are judged at: the dtype the target computes in. An emulated chip
+        holds fp32 tensors of bf16 values, so it sets bfloat16 here while `dtype` stays float32."""
+        return self.__dict__.get("_tolerance_dtype", self.dtype)
+
+    @tolerance_dtype.setter
+    def tolerance_dtype(self, value: torch.dtype) -> None:
+        self.__dict__["_tolerance_dtype"] = value
 
     def prepare(self, model: nn.Module) -> nn.Module:
         return model

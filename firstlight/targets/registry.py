@@ -1,7 +1,8 @@
-"""Targets found by name (`eager`, `inductor`, `onnxruntime`, `faulty`) or as `path/to/file.py:Class`.
+"""Targets found by name (`eager`, `inductor`, `onnxruntime`, `faulty`, `emulate`) or as `path/to/file.py:Class`.
 
-A spec is `NAME`, `NAME:key=value,key=value` (options passed to the constructor as strings) or
-`path/to/file.py:ClassName` (a user target: a subclass of `firstlight.targets.Target`).
+A spec is `NAME`, `NAME:key=value,key=value` (options passed to the constructor as strings),
+`emulate:CHIP[,overrides=FILE,seed=N]` or `path/to/file.py:ClassName` (a user target: a subclass of
+`firstlight.targets.Target`; loading one runs its code, so load only files you trust).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ BUILTIN: dict[str, str] = {
     "inductor": "firstlight.targets.inductor:InductorTarget",
     "onnxruntime": "firstlight.targets.ort:OnnxRuntimeTarget",
     "faulty": "firstlight.targets.faulty:FaultyTarget",
+    "emulate": "firstlight.targets.emulated:EmulatedTarget",
 }
 
 
@@ -29,9 +31,13 @@ def target_names() -> list[str]:
     return sorted(BUILTIN)
 
 
-def _parse_options(text: str, spec: str) -> dict[str, str]:
+def _parse_options(text: str, spec: str, positional: str | None = None) -> dict[str, str]:
+    """`k=v,k=v`; with `positional`, a first part without '=' is that option (emulate:CHIP,k=v)."""
     options: dict[str, str] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
+    for i, part in enumerate(filter(None, (p.strip() for p in text.split(",")))):
+        if "=" not in part and i == 0 and positional:
+            options[positional] = part
+            continue
         if "=" not in part:
             raise TargetError(f"target spec '{spec}': option '{part}' is not key=value")
         key, value = part.split("=", 1)
@@ -80,7 +86,7 @@ def get_target(spec: str, dtype: torch.dtype = torch.float32) -> Target:
             raise TargetError(f"unknown target '{name}'; built in: {', '.join(target_names())}, or path/to/file.py:ClassName")
         module_name, class_name = BUILTIN[name].split(":")
         cls = getattr(importlib.import_module(module_name), class_name)
-        options = _parse_options(opts, spec)
+        options = _parse_options(opts, spec, positional="chip" if name == "emulate" else None)
     try:
         return cls(dtype=dtype, **options)
     except TargetError:

@@ -12,7 +12,11 @@ import typer
 
 def verify(
     model: str = typer.Option("smollm2-135m", help="Model name or checkpoint dir."),
-    target: str = typer.Option("eager", help="eager | inductor | onnxruntime | faulty:k=v,... | path/to/file.py:ClassName"),
+    target: str = typer.Option(
+        "eager", help="eager | inductor | onnxruntime | faulty:k=v,... | emulate:CHIP | path/to/file.py:ClassName "
+                      "(a file target runs its code: load only files you trust)"),
+    overrides: Path | None = typer.Option(
+        None, help="Numerics overrides YAML for an emulate:CHIP target (docs/EMULATION.md 'Overrides')."),
     dtype: str = typer.Option("float32", help="Target dtype: float32, bfloat16, float16."),
     prompt_file: Path | None = typer.Option(None, help="Text file with the prompt (default: a built-in sentence)."),
     out: Path | None = typer.Option(None, help="Write result.json and index.html here."),
@@ -37,7 +41,7 @@ def verify(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ReferenceCacheWarning)  # printed below, one line each
             result = _run(model, target, dtype, prompt_file, new_tokens, ppl_tokens, tolerance, threads, quantization,
-                          reference_cache=not no_reference_cache)
+                          reference_cache=not no_reference_cache, overrides=overrides)
     except FirstlightError as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2) from None
@@ -59,7 +63,7 @@ def verify(
 
 def _run(model: str, target: str, dtype: str, prompt_file: Path | None, new_tokens: int, ppl_tokens: int,
          tolerance: Path | None, threads: int, quantization: str = "none",
-         reference_cache: bool = True):  # -> VerifyResult
+         reference_cache: bool = True, overrides: Path | None = None):  # -> VerifyResult
     import torch
 
     from firstlight.data import load_text
@@ -82,13 +86,17 @@ def _run(model: str, target: str, dtype: str, prompt_file: Path | None, new_toke
             raise FirstlightError(f"prompt file '{prompt_file}' is empty; put at least a sentence in it")
     else:
         prompt = DEFAULT_PROMPT
+    if overrides is not None:
+        if not target.startswith("emulate:"):
+            raise FirstlightError(f"--overrides applies to emulate:CHIP targets, not '{target}'")
+        target = f"{target},overrides={overrides}"
     tgt = get_target(target, torch_dtype)  # before the model: a bad target fails fast
     path = resolve(model)
     tok = load_tokenizer(path)
     prompt_ids = tok(prompt)["input_ids"]
     if len(prompt_ids) < 2:
         raise FirstlightError(f"prompt '{prompt[:40]}' has fewer than 2 tokens; give a longer prompt")
-    policy = TolerancePolicy.for_dtype(torch_dtype)
+    policy = TolerancePolicy.for_dtype(tgt.tolerance_dtype)
     if tolerance is not None:
         policy = policy.with_file(tolerance)
     ppl_ids = tok(load_text("hamlet-sample"))["input_ids"] if ppl_tokens else None

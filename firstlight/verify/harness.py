@@ -248,7 +248,7 @@ def run_verify(
     must be `load_reference(model_path)`: the cache is keyed by the checkpoint's files.
     """
     cfg_v = config or VerifyConfig()
-    policy = policy or TolerancePolicy.for_dtype(target.dtype)
+    policy = policy or TolerancePolicy.for_dtype(target.tolerance_dtype)
     timer = _Timer()
     torch.manual_seed(cfg_v.seed)
     cfg = load_config(model_path)

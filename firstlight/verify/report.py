@@ -70,6 +70,13 @@ def print_summary(result: dict[str, Any], console: Console | None = None) -> Non
                       f"{result['first_failing'].get('note', '')}", highlight=False)
     for r in result["reasons"]:
         console.print(f"  - {r}", highlight=False)
+    pred = (result.get("target_report") or {}).get("details", {}).get("predicted")
+    if pred:
+        console.print(f"predicted on {pred['chip']} (batch 1, {pred['prompt_len']}-token prompt): prefill "
+                      f"{pred['prefill_ms']:.3g} ms, decode step {pred['decode_step_ms']:.3g} ms = "
+                      f"{pred['decode_tokens_per_s']:.1f} tokens/s (weights {pred['weight_bytes'] / 1e6:.1f} MB"
+                      + (f", host fallback {pred['host_fallback_ms_per_step']:.3g} ms/step" if pred.get(
+                          "host_fallback_ms_per_step") else "") + ")", highlight=False)
 
 
 def _figure(result: dict[str, Any]) -> Any:

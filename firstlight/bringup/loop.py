@@ -1,0 +1,324 @@
+"""The bring-up loop on an emulated chip: correctness first, then the speed the remedies cost.
+
+    compile -> run -> verify -> localize -> classify -> remedy (an override) -> re-verify
+      keep the remedy if the failure vanished or moved and nothing got worse; revert it otherwise
+      until the goal holds or the budget of verify runs is spent
+    performance phase: for each kept remedy, newest first, try without it, then its cheaper
+      variants (lower fidelity, narrower format, ...); keep the cheapest configuration that still
+      meets the goal, by the chip spec's predicted time per request
+
+The state (kept remedies, tried candidates, every iteration) is written to `OUT/state.json` after
+each verify run, and the runbook with it, so an interrupted bring-up can be read and rerun: a rerun
+with the same `--out` continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from firstlight.bringup import remedies as R
+from firstlight.bringup.goal import Goal, metric_values
+from firstlight.bringup.planner import Planner, PlaybookPlanner, RunInfo
+from firstlight.bringup.playbook import GOOD, Entry, Playbook
+from firstlight.bringup.signatures import Context, Signature, classify
+from firstlight.errors import FirstlightError
+from firstlight.targets.base import OpNotLoweredError
+from firstlight.targets.emulated import EmulatedTarget
+from firstlight.targets.overrides import OverrideRule, Overrides
+from firstlight.verify.harness import VerifyConfig, run_verify
+
+# A request: a 128-token prompt (priced prefill) and 32 generated tokens.
+DECODE_TOKENS = 32
+
+
+class BringupError(FirstlightError):
+    exit_code = 2
+
+
+@dataclass
+class Evaluation:
+    """One verify run of one configuration."""
+
+    result: dict[str, Any] | None
+    error: str | None
+    signature: Signature | None
+    unmet: list[str]
+    cost_ms: float | None  # predicted ms per request on the chip
+    target: EmulatedTarget
+
+    @property
+    def met(self) -> bool:
+        return self.result is not None and not self.unmet
+
+    def spread(self) -> float:
+        """Fraction of verify's units (isolated boundaries) over tolerance."""
+        rows = [b for b in (self.result or {}).get("boundaries", []) if "isolated" in b]
+        return sum(not b["isolated"]["ok"] for b in rows) / len(rows) if rows else 0.0
+
+    def metrics(self) -> dict[str, float]:
+        if self.result is None:
+            return {}
+        m = metric_values(self.result)
+        m["first_failing_index"] = _first_failing_index(self.result)
+        return m
+
+
+def _first_failing_index(result: dict[str, Any]) -> float:
+    names = [b["name"] for b in result.get("boundaries", [])]
+    bad = [i for i, b in enumerate(result.get("boundaries", [])) if not b.get("isolated", {}).get("ok", True)]
+    return float(bad[0]) if bad else float(len(names))
+
+
+def judge(before: Evaluation, after: Evaluation) -> str:
+    """fixed | moved | improved | no_effect | worse | error (module doc: keep the first three)."""
+    if after.result is None and after.signature is None:
+        return "error"
+    if after.met:
+        return "fixed"
+    if before.result is None:  # it did not compile before
+        if after.result is not None:
+            return "moved"
+        same = after.signature is not None and before.signature is not None \
+            and after.signature.describe() == before.signature.describe()
+        return "no_effect" if same else "moved"
+    if after.result is None:
+        return "worse"  # it compiled before and does not now
+    b, a = before.metrics(), after.metrics()
+    if a.get("kl", 0) > 1.25 * b.get("kl", 0) + 1e-6 or _ppl_dev(a) > 1.25 * _ppl_dev(b) + 1e-4 \
+            or a.get("top1", 1) < b.get("top1", 1) - 0.02 or a["units"] > b["units"] + 1:
+        return "worse"
+    if a["first_failing_index"] > b["first_failing_index"]:
+        return "moved"
+    if a.get("kl", 0) < 0.8 * b.get("kl", 0) or _ppl_dev(a) < 0.8 * _ppl_dev(b) or a["units"] < b["units"]:
+        return "improved"
+    return "no_effect"
+
+
+def _ppl_dev(m: dict[str, float]) -> float:
+    return abs(m["ppl"] - 1.0) if "ppl" in m else 0.0
+
+
+@dataclass
+class BringupConfig:
+    model_path: Path
+    chip: str
+    goal: Goal = field(default_factory=Goal)
+    budget: int = 12  # verify runs for correctness
+    perf_budget: int = 8  # verify runs for the performance phase
+    out: Path = Path("bringup")
+    base_overrides: Overrides = field(default_factory=Overrides)
+    verify: VerifyConfig = field(default_factory=lambda: VerifyConfig(new_tokens=8, ppl_tokens=192, ppl_window=96,
+                                                                       ppl_stride=48))
+    prompt_ids: list[int] | None = None
+    ppl_ids: list[int] | None = None
+    seed: int = 0
+
+
+@dataclass
+class BringupState:
+    model: str
+    chip: str
+    goal: str
+    kept: list[dict[str, Any]] = field(default_factory=list)  # candidates, in the order applied
+    overrides: dict[str, Any] = field(default_factory=dict)  # base rules + kept candidates' rules
+    tried: dict[str, list[str]] = field(default_factory=dict)  # signature -> candidate keys tried
+    iterations: list[dict[str, Any]] = field(default_factory=list)
+    phase: str = "correctness"  # correctness | performance | done
+    status: str = "running"  # running | met | budget_spent | no_remedy | interrupted
+    final: dict[str, Any] = field(default_factory=dict)
+
+    def save(self, out: Path) -> None:
+        _atomic_write(out / "state.json", json.dumps(self.__dict__, indent=1, default=str))
+
+    @classmethod
+    def load(cls, out: Path) -> BringupState | None:
+        p = out / "state.json"
+        if not p.is_file():
+            return None
+        try:
+            return cls(**json.loads(p.read_text()))
+        except (ValueError, TypeError) as e:
+            raise BringupError(f"{p} is not a bring-up state ({e}); remove it or give another --out") from None
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _candidate(d: dict[str, Any]) -> R.Candidate:
+    return R.Candidate(d["remedy"], tuple(OverrideRule(**r) for r in d["rules"]), d["description"])
+
+
+class BringupLoop:
+    def __init__(self, cfg: BringupConfig, playbook: Playbook, planner: Planner | None = None,
+                 on_iteration: Callable[[BringupState], None] | None = None) -> None:
+        from firstlight.core.hardware import load_spec
+        from firstlight.models.loader import load_config
+        from firstlight.verify.harness import load_reference
+
+        self.cfg = cfg
+        self.playbook = playbook
+        self.planner = planner or PlaybookPlanner(playbook)
+        self.on_iteration = on_iteration or (lambda s: None)
+        self.spec = load_spec(cfg.chip)
+        self.model_cfg = load_config(cfg.model_path)
+        self.info = RunInfo(chip=self.spec.name, vendor=self.spec.vendor, family=self.model_cfg.family,
+                            model=str(cfg.model_path))
+        self.reference = load_reference(cfg.model_path)
+        self.state = BringupState.load(cfg.out) or BringupState(model=str(cfg.model_path), chip=cfg.chip,
+                                                                goal=cfg.goal.text)
+        if (self.state.model, self.state.chip) != (str(cfg.model_path), cfg.chip):
+            raise BringupError(f"{cfg.out} holds a bring-up of {self.state.model} on {self.state.chip}; "
+                               "give another --out for a different model or chip")
+        self.runs = max((it["run"] for it in self.state.iterations), default=0)  # a rerun continues the count
+        self.kept: list[R.Candidate] = [_candidate(c) for c in self.state.kept]
+
+    # ---- one configuration ------------------------------------------------------------------------
+    def overrides(self, kept: list[R.Candidate]) -> Overrides:
+        return self.cfg.base_overrides.plus(*(r for c in kept for r in c.rules))
+
+    def evaluate(self, kept: list[R.Candidate]) -> Evaluation:
+        from firstlight.models.loader import load_model
+
+        self.runs += 1
+        target = EmulatedTarget(chip=self.cfg.chip, overrides=self.overrides(kept), seed=self.cfg.seed)
+        model, _ = load_model(self.cfg.model_path, torch.float32, with_tokenizer=False)
+        ctx = Context(accumulator=lambda m, op: target.site_numerics(m, op).matmul.accumulator,
+                      reduction_len=lambda m: _in_features(model, m))
+        try:
+            res = run_verify(self.cfg.model_path, target, f"emulate:{self.cfg.chip}", self.cfg.prompt_ids,
+                             self.cfg.verify, ppl_ids=self.cfg.ppl_ids, reference=self.reference, model=model)
+        except OpNotLoweredError as e:
+            return Evaluation(None, str(e), classify(None, e, ctx), [str(e)], None, target)
+        result = res.to_dict()
+        unmet = self.cfg.goal.unmet(result)
+        sig = classify(result, None, ctx) if unmet else None
+        pred = (result.get("target_report") or {}).get("details", {}).get("predicted") or {}
+        cost = pred["prefill_ms"] + DECODE_TOKENS * pred["decode_step_ms"] if pred else None
+        return Evaluation(result, None, sig, unmet, cost, target)
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def run(self) -> BringupState:
+        st = self.state
+        kept = self.kept
+        self.cfg.out.mkdir(parents=True, exist_ok=True)
+        current = self.evaluate(kept)
+        self._log("baseline" if not st.iterations else "resume", current, None, None)
+        if st.phase == "correctness":
+            current = self._correctness(kept, current)
+        if st.phase == "performance":
+            current = self._performance(kept, current)
+        st.phase = "done"
+        st.final = {"met": current.met,
+                    "cost_ms": current.cost_ms, "unmet": current.unmet, "metrics": current.metrics(),
+                    "predicted": ((current.result or {}).get("target_report") or {}).get("details", {}).get("predicted"),
+                    "verify_runs": self.runs}
+        self._save()
+        self.final_result = current.result
+        return st
+
+    def _correctness(self, kept: list[R.Candidate], current: Evaluation) -> Evaluation:
+        st = self.state
+        while not current.met:
+            if self.runs >= self.cfg.budget:
+                st.status = "budget_spent"
+                return current
+            sig = current.signature
+            assert sig is not None
+            ctx = R.RemedyContext(numerics=current.target.numerics, site=current.target.site_numerics,
+                                  modules=[p for p, _ in current.target._model.named_modules()]
+                                  if current.target._model is not None else [])
+            tried = st.tried.setdefault(sig.describe(), [])
+            ranked = self.planner.rank(sig, R.candidates(sig, ctx), self.info, spread=current.spread())
+            cands = [c for c in ranked if c.key not in tried and c.key not in {k.key for k in kept}]
+            if not cands:
+                st.status = "no_remedy"
+                self._log("no remedy left", current, sig, None)
+                return current
+            cand = cands[0]
+            trial = self.evaluate([*kept, cand])
+            outcome = judge(current, trial)
+            tried.append(cand.key)
+            before = current
+            if outcome in GOOD:
+                kept.append(cand)
+                current = trial
+            self._record(sig, cand, outcome, before, trial)
+            self._log("correctness", trial, sig, cand, outcome, before=before)
+        st.status = "met"
+        st.phase = "performance"
+        self._save()
+        return current
+
+    def _performance(self, kept: list[R.Candidate], current: Evaluation) -> Evaluation:
+        st = self.state
+        spent = 0
+        for i in reversed(range(len(kept))):
+            cand = kept[i]
+            remedy = R.load_builtin().get(cand.remedy)
+            variants = [None] + (remedy.cheaper(cand, None) if remedy and remedy.cheaper else [])
+            for v in variants:  # None: without it at all
+                if spent >= self.cfg.perf_budget:
+                    return current
+                trial_kept = kept[:i] + ([v] if v is not None else []) + kept[i + 1:]
+                trial = self.evaluate(trial_kept)
+                spent += 1
+                better = trial.met and trial.cost_ms is not None and current.cost_ms is not None \
+                    and trial.cost_ms < current.cost_ms
+                before = current
+                if better:
+                    kept[:] = trial_kept
+                    current = trial
+                self._log("performance", trial, None, v or cand, "cheaper" if better else "rejected", before=before,
+                          change="remove" if v is None else "cheapen")
+                if better:
+                    break
+        return current
+
+    # ---- records ------------------------------------------------------------------------------------
+    def _record(self, sig: Signature, cand: R.Candidate, outcome: str, before: Evaluation, after: Evaluation) -> None:
+        delta = after.cost_ms - before.cost_ms if after.cost_ms is not None and before.cost_ms is not None else None
+        self.playbook.record(Entry(signature=sig.key(), kind=sig.kind, chip=self.info.chip, vendor=self.info.vendor,
+                                   family=self.info.family, model=self.info.model, remedy=cand.remedy,
+                                   candidate=cand.description, outcome=outcome, cost_ms=delta))
+
+    def _log(self, phase: str, ev: Evaluation, sig: Signature | None, cand: R.Candidate | None,
+             outcome: str | None = None, before: Evaluation | None = None, change: str | None = None) -> None:
+        c = (ev.result or {}).get("culprit") or {}
+        self.state.iterations.append({
+            "run": self.runs, "phase": phase, "change": change,
+            "signature": sig.to_dict() if sig else None,
+            "remedy": cand.to_dict() if cand else None, "outcome": outcome,
+            "after": {"met": ev.met, "error": ev.error, "unmet": ev.unmet[:4], "metrics": ev.metrics(),
+                      "signature": ev.signature.to_dict() if ev.signature else None,
+                      "culprit": {k: c.get(k) for k in ("op", "module", "source")} if c else None,
+                      "cost_ms": ev.cost_ms},
+            "cost_delta_ms": (ev.cost_ms - before.cost_ms) if before and ev.cost_ms is not None
+            and before.cost_ms is not None else None,
+        })
+        self._save()
+
+    def _save(self) -> None:
+        self.state.kept = [c.to_dict() for c in self.kept]
+        self.state.overrides = self.overrides(self.kept).model_dump(exclude_none=True)
+        self.state.save(self.cfg.out)
+        self.on_iteration(self.state)
+
+
+def _in_features(model: torch.nn.Module, module: str) -> int | None:
+    try:
+        m = model.get_submodule(module)
+    except AttributeError:
+        return None
+    return getattr(m, "in_features", None)

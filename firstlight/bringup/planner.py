@@ -1,0 +1,47 @@
+"""Planners pick which remedy the loop tries next. The default ranks by the playbook's evidence.
+
+A planner is any object with `rank(signature, candidates, info) -> candidates in trial order`.
+`PlaybookPlanner` orders by past success for similar signatures (same signature key first, then
+same kind; the same chip, vendor and model family weigh more), then by scope (a local failure tries
+the failing module first, a widespread one the whole model), then by the remedy's cost rank and
+registry order, so with an empty playbook the cheapest plausible remedy goes first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from firstlight.bringup.playbook import Playbook
+from firstlight.bringup.remedies import Candidate
+from firstlight.bringup.signatures import Signature
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    chip: str
+    vendor: str
+    family: str
+    model: str
+
+
+class Planner(Protocol):
+    def rank(self, sig: Signature, candidates: list[Candidate], info: RunInfo, spread: float = 0.0) -> list[Candidate]:
+        """Candidates in trial order; `spread` is the fraction of verify's units that fail (0..1)."""
+        ...
+
+
+class PlaybookPlanner:
+    def __init__(self, playbook: Playbook) -> None:
+        self.playbook = playbook
+
+    def rank(self, sig: Signature, candidates: list[Candidate], info: RunInfo, spread: float = 0.0) -> list[Candidate]:
+        """Playbook score first; when most units fail (spread > 0.5) the failure is not local, so model-wide
+        candidates go before ones scoped to the failing module; then cost rank, then registry order."""
+        def key(ic: tuple[int, Candidate]) -> tuple[float, int, int, int]:
+            i, c = ic
+            score = self.playbook.score(c.remedy, sig.key(), sig.kind, info.chip, info.vendor, info.family)
+            scoped = any(r.module is not None for r in c.rules)
+            return (-score, int(scoped) if spread > 0.5 else int(not scoped), c.cost_rank, i)
+
+        return [c for _, c in sorted(enumerate(candidates), key=key)]

@@ -1,0 +1,269 @@
+"""Failure signatures: what kind of failure verify found, computed from its evidence.
+
+Each signature is a small frozen dataclass: testable on its own, written to the runbook, and keyed
+into the playbook by `key()` (its kind plus the class of what failed, not the layer index, so a
+remedy learned on one layer, model or chip is tried first on the next):
+
+    OpNotLowered       the chip's compiler lacks an op                      (compile error)
+    NonFinite          inf / NaN appears; the first op that makes one
+    Accumulation       a matmul whose error grows with its reduction length (narrow accumulator)
+    OpClassError       error concentrated in one op class: matmul, softmax, norm, transcendental, ...
+    TableMismatch      a table the target builds (rotary cos/sin, mask, scales) differs from the reference's
+    DecodeOnly         prefill matches, the decode path through the KV cache does not
+    PositionDivergence only late positions / long-range checks fail
+    UnitComposition    a unit fails but no single op does (fusion / reordering / compound rounding)
+    QualityOnly        every unit passes, an end-to-end quality metric does not
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+from firstlight.targets.base import OpNotLoweredError
+
+MATMUL_OPS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.linear", "aten.matmul")
+TRANSCENDENTAL_OPS = ("aten.exp", "aten.reciprocal", "aten.rsqrt", "aten.sqrt", "aten.gelu", "aten.silu",
+                      "aten.sigmoid", "aten.tanh", "aten.log")
+NARROW_ACCUMULATORS = ("bf16", "fp16", "fp22", "tf32")
+_LAYER = re.compile(r"(^|\.)layers\.\d+(\.|$)")
+
+
+def packet(op: str) -> str:
+    return op.rsplit(".", 1)[0] if op.count(".") >= 2 else op
+
+
+def op_class(op: str, module: str = "") -> str:
+    """matmul | softmax | norm | transcendental | embedding | elementwise."""
+    p = packet(op)
+    if p in MATMUL_OPS:
+        return "matmul"
+    if "softmax" in p:
+        return "softmax"
+    if module.rsplit(".", 1)[-1].endswith("norm") or p == "aten.rsqrt":
+        return "norm"
+    if p in TRANSCENDENTAL_OPS:
+        return "transcendental"
+    if p == "aten.embedding":
+        return "embedding"
+    return "elementwise"
+
+
+def module_kind(module: str) -> str:
+    """The module path with its layer index wildcarded: a remedy's natural scope."""
+    return _LAYER.sub(lambda m: f"{m.group(1)}layers.*{m.group(2)}", module)
+
+
+@dataclass(frozen=True)
+class Signature:
+    kind: ClassVar[str] = "signature"
+
+    def key(self) -> str:
+        return self.kind
+
+    def describe(self) -> str:
+        fields = ", ".join(f"{k}={v}" for k, v in asdict(self).items() if v not in (None, "", ()) and k != "evidence")
+        return f"{self.kind}({fields})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "key": self.key(), **asdict(self)}
+
+
+@dataclass(frozen=True)
+class OpNotLowered(Signature):
+    kind: ClassVar[str] = "op_not_lowered"
+    op: str = ""
+    module: str = ""
+    line: str | None = None
+
+    def key(self) -> str:
+        return f"{self.kind}:{packet(self.op)}"
+
+
+@dataclass(frozen=True)
+class NonFinite(Signature):
+    kind: ClassVar[str] = "non_finite"
+    op: str = ""
+    module: str = ""
+
+    def key(self) -> str:
+        return f"{self.kind}:{op_class(self.op, self.module)}"
+
+
+@dataclass(frozen=True)
+class Accumulation(Signature):
+    kind: ClassVar[str] = "accumulation"
+    op: str = ""
+    module: str = ""
+    reduction_len: int | None = None
+    accumulator: str = ""
+    growth: float | None = None  # rank correlation of error with K over the unit's matmuls
+
+    def key(self) -> str:
+        return f"{self.kind}:{self.accumulator}"
+
+
+@dataclass(frozen=True)
+class OpClassError(Signature):
+    kind: ClassVar[str] = "op_class"
+    op_class: str = ""
+    op: str = ""
+    module: str = ""
+    rel_l2: float | None = None
+
+    def key(self) -> str:
+        return f"{self.kind}:{self.op_class}"
+
+
+@dataclass(frozen=True)
+class TableMismatch(Signature):
+    kind: ClassVar[str] = "table_mismatch"
+    table: str = ""
+    op: str = ""
+
+    def key(self) -> str:
+        return f"{self.kind}:{self.table.split(':')[0]}"
+
+
+@dataclass(frozen=True)
+class DecodeOnly(Signature):
+    kind: ClassVar[str] = "decode_only"
+    step: int | None = None
+    op: str = ""
+    module: str = ""
+
+    def key(self) -> str:
+        return f"{self.kind}:{op_class(self.op, self.module) if self.op else 'unknown'}"
+
+
+@dataclass(frozen=True)
+class PositionDivergence(Signature):
+    kind: ClassVar[str] = "position_divergence"
+    position: int | None = None
+    unit: str = ""
+
+
+@dataclass(frozen=True)
+class UnitComposition(Signature):
+    kind: ClassVar[str] = "unit_composition"
+    unit: str = ""
+    module: str = ""  # the first op over tolerance when propagated, if any
+
+    def key(self) -> str:
+        return f"{self.kind}:{module_kind(self.unit).split('.')[0]}"
+
+
+@dataclass(frozen=True)
+class QualityOnly(Signature):
+    kind: ClassVar[str] = "quality_only"
+    metric: str = ""
+    reasons: tuple[str, ...] = field(default_factory=tuple)
+
+    def key(self) -> str:
+        return f"{self.kind}:{self.metric}"
+
+
+@dataclass
+class Context:
+    """What classification needs beyond the result: the target's numerics at a site, a matmul's K."""
+
+    accumulator: Callable[[str, str], str] = lambda module, op: "fp32"
+    reduction_len: Callable[[str], int | None] = lambda module: None
+
+
+def classify(result: dict[str, Any] | None, error: Exception | None = None, ctx: Context | None = None) -> Signature:
+    """The signature of one failed verify (`result.to_dict()`), or of the error that stopped it."""
+    ctx = ctx or Context()
+    if isinstance(error, OpNotLoweredError):
+        return OpNotLowered(op=error.op, module=error.module, line=error.line)
+    if error is not None:
+        raise error
+    assert result is not None
+    for finder in (_non_finite, _table, _unit_failure, _decode_only, _late_positions):
+        sig = finder(result, ctx)
+        if sig is not None:
+            return sig
+    reasons = tuple(result.get("reasons") or ())
+    metric = "ppl" if any("perplexity" in r for r in reasons) else "kl" if any("KL" in r for r in reasons) else "top1"
+    return QualityOnly(metric=metric, reasons=reasons)
+
+
+def _bad(m: dict[str, Any] | None) -> bool:
+    return m is not None and any(isinstance(v, float) and not math.isfinite(v) for v in m.values())
+
+
+def _non_finite(result: dict[str, Any], ctx: Context) -> Signature | None:
+    nf = result.get("non_finite") or result.get("first_non_finite")
+    if isinstance(nf, dict) and nf:
+        return NonFinite(op=str(nf.get("op", "")), module=str(nf.get("module", nf.get("unit", ""))))
+    for r in result.get("ops") or []:
+        if _bad(r.get("isolated")):
+            return NonFinite(op=r["op"], module=r["module"])
+    return None
+
+
+def _table(result: dict[str, Any], ctx: Context) -> Signature | None:
+    for t in result.get("tables") or []:
+        if not t.get("ok", True):
+            return TableMismatch(table=str(t.get("name", "")), op=str(t.get("op", "")))
+    return None
+
+
+def _unit_failure(result: dict[str, Any], ctx: Context) -> Signature | None:
+    first = result.get("first_failing")
+    if not first:
+        return None
+    c = result.get("culprit")
+    if c is None:
+        prop = first.get("first_propagated_op") or {}
+        return UnitComposition(unit=first.get("unit", ""), module=prop.get("module", ""))
+    op, module = c["op"], c["module"]
+    cls = op_class(op, module)
+    if cls == "matmul":
+        acc = ctx.accumulator(module, packet(op))
+        if acc in NARROW_ACCUMULATORS:
+            growth = _growth_with_k(result.get("ops") or [], ctx)
+            k = ctx.reduction_len(module)
+            if (growth is not None and growth > 0.3) or (k or 0) >= 256:
+                return Accumulation(op=op, module=module, reduction_len=k, accumulator=acc, growth=growth)
+    return OpClassError(op_class=cls, op=op, module=module, rel_l2=c.get("isolated", {}).get("rel_l2"))
+
+
+def _growth_with_k(records: list[dict[str, Any]], ctx: Context) -> float | None:
+    """Spearman rank correlation between a weight matmul's K and its isolated error, over one unit."""
+    pts = [(k, r["isolated"]["rel_l2"]) for r in records if packet(r["op"]) in MATMUL_OPS
+           and (k := ctx.reduction_len(r["module"])) is not None and math.isfinite(r["isolated"]["rel_l2"])]
+    if len(pts) < 3 or len({k for k, _ in pts}) < 2:
+        return None
+
+    def ranks(xs: list[float]) -> list[float]:
+        order = sorted(range(len(xs)), key=lambda i: xs[i])
+        r = [0.0] * len(xs)
+        for pos, i in enumerate(order):
+            r[i] = float(pos)
+        return r
+
+    rk, re_ = ranks([k for k, _ in pts]), ranks([e for _, e in pts])
+    n = len(pts)
+    mk, me = sum(rk) / n, sum(re_) / n
+    cov = sum((a - mk) * (b - me) for a, b in zip(rk, re_, strict=True))
+    var = math.sqrt(sum((a - mk) ** 2 for a in rk) * sum((b - me) ** 2 for b in re_))
+    return cov / var if var else None
+
+
+def _decode_only(result: dict[str, Any], ctx: Context) -> Signature | None:
+    dec = result.get("decode")
+    if not isinstance(dec, dict) or dec.get("ok", True):
+        return None
+    c = dec.get("culprit") or {}
+    return DecodeOnly(step=dec.get("first_failing_step"), op=c.get("op", ""), module=c.get("module", ""))
+
+
+def _late_positions(result: dict[str, Any], ctx: Context) -> Signature | None:
+    div = result.get("divergence") or {}
+    if isinstance(div, dict) and div.get("start") is not None:
+        return PositionDivergence(position=int(div["start"]), unit=str(div.get("unit", "")))
+    return None

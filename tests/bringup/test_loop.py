@@ -1,0 +1,121 @@
+"""The bring-up loop on tiny models and an emulated chip whose defaults fail."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from firstlight.bringup import remedies as R
+from firstlight.bringup import runbook
+from firstlight.bringup.goal import parse_goal
+from firstlight.bringup.loop import BringupConfig, BringupLoop, BringupState
+from firstlight.bringup.playbook import Playbook
+from firstlight.cli import app
+from firstlight.verify.harness import VerifyConfig
+
+GOAL = "kl<=2e-3,top1>=0.95"
+
+
+def _loop(model: Path, chip: Path, out: Path, playbook: Path, budget: int = 12, perf_budget: int = 0,
+          on_iteration=None) -> BringupLoop:
+    cfg = BringupConfig(model_path=model, chip=str(chip), goal=parse_goal(GOAL), budget=budget,
+                        perf_budget=perf_budget, out=out, prompt_ids=list(range(3, 35)),
+                        verify=VerifyConfig(new_tokens=4, ppl_tokens=0))
+    return BringupLoop(cfg, Playbook(playbook), on_iteration=on_iteration or (lambda s: runbook.write(out, s, str(model))))
+
+
+def test_loop_reaches_the_goal_and_writes_a_runbook(tiny_checkpoint, failing_chip, tmp_path):
+    model = tiny_checkpoint("llama", seed=3)
+    loop = _loop(model, failing_chip, tmp_path / "out", tmp_path / "pb.json", perf_budget=3)
+    state = loop.run()
+    assert state.final["met"], state.iterations[-1]
+    kept = [c["remedy"] for c in state.kept]
+    assert kept[:2] == ["host_fallback", "host_fallback"]  # cos and sin: the compiler lacks them
+    assert state.iterations[0]["after"]["error"].startswith("chip")
+    assert state.iterations[1]["signature"]["kind"] == "op_not_lowered"
+    book = (tmp_path / "out" / "RUNBOOK.md").read_text()
+    assert "## Iterations" in book and "firstlight verify --model" in book and "--overrides" in book
+    ov = yaml.safe_load((tmp_path / "out" / "overrides.yaml").read_text())
+    assert {"op": "aten.cos", "fallback": "host"}.items() <= ov["rules"][0].items()
+    entries = json.loads((tmp_path / "pb.json").read_text())["entries"]
+    assert {e["outcome"] for e in entries} & {"fixed", "moved"}
+    # the final configuration verifies on its own
+    from firstlight.targets.registry import get_target
+    from firstlight.verify.harness import run_verify
+
+    t = get_target(f"emulate:{failing_chip},overrides={tmp_path / 'out' / 'overrides.yaml'}")
+    r = run_verify(model, t, "x", prompt_ids=list(range(3, 35)), config=VerifyConfig(new_tokens=4, ppl_tokens=0))
+    assert parse_goal(GOAL).unmet(r.to_dict()) == []
+
+
+def test_playbook_makes_the_second_family_cheaper(tiny_checkpoint, failing_chip, tmp_path):
+    first = _loop(tiny_checkpoint("llama", seed=3), failing_chip, tmp_path / "a", tmp_path / "pb.json").run()
+    assert first.final["met"]
+    learned = _loop(tiny_checkpoint("qwen3", seed=3), failing_chip, tmp_path / "b", tmp_path / "pb.json").run()
+    fresh = _loop(tiny_checkpoint("qwen3", seed=3), failing_chip, tmp_path / "c", tmp_path / "empty.json").run()
+    assert learned.final["met"] and fresh.final["met"]
+    assert learned.final["verify_runs"] < fresh.final["verify_runs"]
+
+
+def test_a_remedy_that_makes_things_worse_is_reverted(tiny_checkpoint, failing_chip, tmp_path, monkeypatch):
+    monkeypatch.setattr(R, "REGISTRY", dict(R.load_builtin()))
+    bad = tmp_path / "bad_remedy.py"
+    bad.write_text(
+        "from firstlight.bringup.remedies import Candidate, Remedy, register, rule\n"
+        "def propose(sig, ctx):\n"
+        "    return [Candidate('bfp2_everything', (rule(matmul={'b_format': 'bfp2_b'}),), 'bfp2 weights', cost_rank=-1)]\n"
+        "register(Remedy('bfp2_everything', ('op_class', 'accumulation'), propose, cost='none'))\n")
+    assert R.load_file(bad) == ["bfp2_everything"]
+    state = _loop(tiny_checkpoint("llama", seed=3), failing_chip, tmp_path / "out", tmp_path / "pb.json",
+                  budget=5).run()
+    tried = [it for it in state.iterations if (it.get("remedy") or {}).get("remedy") == "bfp2_everything"]
+    assert tried and tried[0]["outcome"] == "worse"
+    assert "bfp2_everything" not in [c["remedy"] for c in state.kept]
+
+
+def test_interrupted_bringup_leaves_a_readable_runbook_and_resumes(tiny_checkpoint, failing_chip, tmp_path):
+    out, pb = tmp_path / "out", tmp_path / "pb.json"
+    model = tiny_checkpoint("llama", seed=3)
+
+    def stop_after_three(state: BringupState) -> None:
+        runbook.write(out, state, str(model))
+        if len(state.iterations) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _loop(model, failing_chip, out, pb, on_iteration=stop_after_three).run()
+    assert "## Iterations" in (out / "RUNBOOK.md").read_text()
+    assert len(json.loads((out / "state.json").read_text())["iterations"]) == 3
+    assert json.loads(pb.read_text())["entries"]  # the playbook is whole
+    state = _loop(model, failing_chip, out, pb).run()
+    assert state.final["met"] and len(state.iterations) > 3
+    assert state.iterations[3]["phase"] == "resume"
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--target", "eager"], "only emulated chips"),
+    (["--target", "emulate:nope"], "unknown hardware 'nope'"),
+    (["--goal", "ppl<<1"], "cannot parse"),
+    (["--budget", "0"], "at least 1"),
+])
+def test_bad_input_exits_2_and_writes_nothing(tmp_path, tiny_dirs_bringup, args, match):
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["bringup", "--model", str(tiny_dirs_bringup), "--out", str(out), *args])
+    assert res.exit_code == 2, res.output
+    assert match in res.output and not out.exists()
+
+
+def test_unwritable_out_exits_2(tmp_path, tiny_dirs_bringup):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    res = CliRunner().invoke(app, ["bringup", "--model", str(tiny_dirs_bringup), "--out", str(blocker / "sub")])
+    assert res.exit_code == 2 and "not writable" in res.output or "cannot write" in res.output
+
+
+@pytest.fixture
+def tiny_dirs_bringup(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("llama", seed=3)

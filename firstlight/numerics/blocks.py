@@ -1,0 +1,185 @@
+"""Block formats: values in blocks along one axis share a scale. All functions take float32 blocks
+`xb` of shape [..., num_blocks, block_size] and work on the whole tensor at once (int32 bit ops).
+
+Tenstorrent bfp*_b (BFP8_B / BFP4_B / BFP2_B): 16 values (one row of a 16x16 face) share an 8-bit
+exponent, the largest float32 exponent field in the row; each value keeps a sign and a w-bit
+magnitude (w = 7 / 3 / 1) that is its 24-bit significand (hidden bit included) shifted right by
+(shared - own exponent), then rounded to w bits. This follows tt-metal's host packer
+(tt_metal/impl/data_format/bfp_simd.hpp `row_scalar`, and `convert_u32_to_bfp` in
+blockfloat_common.cpp): inputs with exponent field 0 (zero, fp32 subnormals) become 0; the shift
+drops bits before rounding (so a value just above a tie, shifted, can round to even); ties to
+even; a magnitude that rounds up past 2^w - 1 saturates there (the shared exponent is not
+bumped); a zero magnitude loses its sign. The decode follows `unpack_bfp8_tiles_into_float_vec`
+(tt_metal/impl/data_format/bfloat8.cpp): renormalize to a float32 with exponent
+shared - shift_count; flush to zero when that exponent is negative; exponent 0 gives the
+float32 denormal bit pattern the unpacker writes. A block holding inf/NaN has shared exponent
+255: its largest values decode to inf/NaN and the rest to values near 2^127 or zero.
+
+OCP Microscaling (MX v1.0, sec. 6.3): 32 values share an E8M0 scale X = 2^(floor(log2(amax)) -
+emax_elem), clamped to the E8M0 range [2^-127, 2^127]; each element is V_i / X rounded to the
+element format (ties to even) and clamped to its max normal. A block whose amax is NaN or inf gets
+the NaN scale (0xFF) and decodes to all NaN (spec sec. 5.3: X = NaN makes every value NaN).
+
+NVFP4 (NVIDIA Blackwell; as torchao's `nvfp4_quantize` implements the two-level recipe): a
+per-tensor fp32 scale ts = amax(tensor) / (448 * 6); per 16-value block an E4M3 scale
+sb = e4m3(clamp(amax(block) / 6 / ts, 2^-6, 448)); elements e2m1(clamp(x * ((1 / ts) / sb), ±6));
+value = element * (ts * sb).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from firstlight.numerics.scalar import round_float
+
+E8M0_NAN = 255
+E4M3_MIN_NORMAL = 2.0**-6
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+
+
+def _i32(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32)
+
+
+def _f32(bits: torch.Tensor) -> torch.Tensor:
+    return bits.contiguous().view(torch.float32)
+
+
+def _round_int(y: torch.Tensor, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
+    if rounding == "rne":
+        return torch.round(y)
+    if rounding == "truncate":
+        return torch.trunc(y)
+    u = torch.rand(y.shape, generator=generator, dtype=torch.float32, device=y.device)
+    return torch.floor(y.double() + u.double()).float()
+
+
+# --- Tenstorrent bfp*_b -------------------------------------------------------------------------
+
+
+def bfp_encode(
+    xb: torch.Tensor, man_bits: int, rounding: str, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (codes int32 [..., nb, 16]: sign << w | magnitude, shared exponent int32 [..., nb, 1])."""
+    bits = _i32(xb)
+    exp = (bits >> 23) & 0xFF
+    shared = exp.amax(dim=-1, keepdim=True)
+    significand = (bits & 0x7FFFFF) | 0x800000
+    significand = significand >> torch.clamp(shared - exp, max=31)
+    shift = 24 - man_bits
+    if rounding == "rne":
+        mag = (significand + (((significand >> shift) & 1) + ((1 << (shift - 1)) - 1))) >> shift
+    elif rounding == "truncate":
+        mag = significand >> shift
+    else:
+        noise = torch.randint(0, 1 << shift, significand.shape, generator=generator, dtype=torch.int32, device=xb.device)
+        mag = (significand + noise) >> shift
+    mag = torch.clamp(mag, max=(1 << man_bits) - 1)
+    mag = torch.where(exp == 0, 0, mag)
+    sign = (bits >> 31) & 1
+    codes = torch.where(mag != 0, mag | (sign << man_bits), 0)
+    return codes, shared
+
+
+def bfp_decode(codes: torch.Tensor, shared: torch.Tensor, man_bits: int) -> torch.Tensor:
+    codes = codes.to(torch.int32)
+    shared = shared.to(torch.int32)
+    mag = codes & ((1 << man_bits) - 1)
+    sign = (codes >> man_bits) & 1
+    top = (_i32(mag.to(torch.float32)) >> 23) - 127  # floor(log2(mag)); -127 for mag == 0
+    shift_count = (man_bits - 1) - top
+    exp = shared - shift_count
+    man = (mag << torch.clamp(shift_count + 1, 0, 31)) & ((1 << man_bits) - 1)
+    bits = (sign << 31) | (exp << 23) | (man << (23 - man_bits))
+    bits = torch.where((mag == 0) | (exp < 0), 0, bits)
+    return _f32(bits)
+
+
+# --- OCP MX ---------------------------------------------------------------------------------------
+
+
+def mx_scale(xb: torch.Tensor, emax_elem: int) -> torch.Tensor:
+    """Biased E8M0 shared exponent per block, int32 [..., nb, 1]: floor(log2(amax)) - emax_elem + 127,
+    clamped to [0, 254]; 255 (NaN) for a block with a NaN or an infinity."""
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    field = (_i32(amax) >> 23) & 0xFF  # exponent field of amax; 0 for zero / fp32 subnormal amax
+    biased = torch.clamp(field - emax_elem, min=0)  # (field - 127 - emax) + 127, floor at 2^-127
+    return torch.where(torch.isfinite(amax), biased, E8M0_NAN)
+
+
+def e8m0_value(biased: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(X, 1/X) as float32 for biased E8M0 exponents in [0, 254] (255 treated as 1.0)."""
+    b = torch.where(biased == E8M0_NAN, 127, biased)
+    x = _f32(torch.where(b == 0, 1 << 22, b << 23))  # 2^-127 is a float32 subnormal
+    inv = _f32((254 - b) << 23)  # 1/X is always a normal float32
+    return x, inv
+
+
+def mx_elements(v: torch.Tensor, elem, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
+    """Scaled values V_i / X -> element-format values (saturating), float32."""
+    if elem.kind == "int":
+        step = float(2**elem.man_bits)
+        limit = float((1 << (elem.man_bits + 1)) - 1)  # 127 for int8 with 6 fraction bits: symmetric
+        return torch.clamp(_round_int(v * step, rounding, generator), -limit, limit) / step + 0.0  # no -0
+    return round_float(
+        v,
+        exp_bits=elem.exp_bits,
+        man_bits=elem.man_bits,
+        bias=elem.bias,
+        max_normal=elem.max_normal,
+        has_inf=elem.has_inf,
+        saturating=True,
+        rounding=rounding,
+        generator=generator,
+    )
+
+
+def mx_quantize(
+    xb: torch.Tensor, elem, rounding: str, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (element values float32 [..., nb, 32], biased E8M0 int32 [..., nb, 1])."""
+    biased = mx_scale(xb, elem.emax)
+    _, inv = e8m0_value(biased)
+    p = mx_elements(xb * inv, elem, rounding, generator)
+    return p, biased
+
+
+def mx_dequantize(p: torch.Tensor, biased: torch.Tensor) -> torch.Tensor:
+    x, _ = e8m0_value(biased)
+    return torch.where(biased == E8M0_NAN, torch.nan, p * x)
+
+
+# --- NVFP4 ----------------------------------------------------------------------------------------
+
+
+def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
+    """fp32 per-tensor scale amax / (448 * 6); 1.0 for an all-zero or non-finite tensor."""
+    amax = x.abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
+    ts = amax / (E4M3_MAX * E2M1_MAX)
+    return torch.where((ts > 0) & torch.isfinite(ts), ts, torch.ones_like(ts))
+
+
+def nvfp4_quantize(
+    xb: torch.Tensor, ts: torch.Tensor, elem, scale_fmt, rounding: str, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (e2m1 element values float32 [..., nb, 16], E4M3 block scales float32 [..., nb, 1])."""
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    sb = torch.clamp((amax / E2M1_MAX) / ts, min=E4M3_MIN_NORMAL, max=E4M3_MAX)
+    sb = round_float(
+        sb,
+        exp_bits=scale_fmt.exp_bits,
+        man_bits=scale_fmt.man_bits,
+        bias=scale_fmt.bias,
+        max_normal=scale_fmt.max_normal,
+        has_inf=False,
+        saturating=True,
+    )  # the scale is always rounded to nearest, whatever the element rounding
+    v = torch.clamp(xb * ((1.0 / ts) / sb), -E2M1_MAX, E2M1_MAX)
+    p = mx_elements(v, elem, rounding, generator)
+    return p, sb
+
+
+def nvfp4_dequantize(p: torch.Tensor, sb: torch.Tensor, ts: torch.Tensor) -> torch.Tensor:
+    return p * (ts * sb)
+

@@ -5,7 +5,20 @@ The emulated-chip target (`firstlight.targets.emulated`) computes with these; do
 ("Formats") lists each format's source and where maintained libraries disagree.
 """
 
+from firstlight.numerics.arithmetic import FIDELITIES, MatmulNumerics, matmul
 from firstlight.numerics.errors import NumericsError
 from firstlight.numerics.formats import FORMATS, Encoded, Format, decode, encode, get_format, quantize
 
-__all__ = ["FORMATS", "Encoded", "Format", "NumericsError", "decode", "encode", "get_format", "quantize"]
+__all__ = [
+    "FIDELITIES",
+    "FORMATS",
+    "Encoded",
+    "Format",
+    "MatmulNumerics",
+    "NumericsError",
+    "decode",
+    "encode",
+    "get_format",
+    "matmul",
+    "quantize",
+]

@@ -30,7 +30,16 @@ from __future__ import annotations
 
 import torch
 
-from firstlight.numerics.scalar import round_float
+from firstlight.numerics.scalar import (
+    F32_INF_BITS,
+    SIGN_BIT,
+    Noise,
+    lt_mask,
+    random_bits,
+    round_float,
+    round_to_integer,
+    select,
+)
 
 E8M0_NAN = 255
 E4M3_MIN_NORMAL = 2.0**-6
@@ -46,20 +55,11 @@ def _f32(bits: torch.Tensor) -> torch.Tensor:
     return bits.contiguous().view(torch.float32)
 
 
-def _round_int(y: torch.Tensor, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
-    if rounding == "rne":
-        return torch.round(y)
-    if rounding == "truncate":
-        return torch.trunc(y)
-    u = torch.rand(y.shape, generator=generator, dtype=torch.float32, device=y.device)
-    return torch.floor(y.double() + u.double()).float()
-
-
 # --- Tenstorrent bfp*_b -------------------------------------------------------------------------
 
 
 def bfp_encode(
-    xb: torch.Tensor, man_bits: int, rounding: str, generator: torch.Generator | None
+    xb: torch.Tensor, man_bits: int, rounding: str, noise: Noise | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (codes int32 [..., nb, 16]: sign << w | magnitude, shared exponent int32 [..., nb, 1])."""
     bits = _i32(xb)
@@ -73,12 +73,10 @@ def bfp_encode(
     elif rounding == "truncate":
         mag = significand >> shift
     else:
-        noise = torch.randint(0, 1 << shift, significand.shape, generator=generator, dtype=torch.int32, device=xb.device)
-        mag = (significand + noise) >> shift
-    mag = torch.clamp(mag, max=(1 << man_bits) - 1)
-    mag = torch.where(exp == 0, 0, mag)
+        mag = (significand + (random_bits(significand.shape, noise, xb.device) >> (24 - shift))) >> shift
+    mag = torch.clamp(mag, max=(1 << man_bits) - 1) & lt_mask(0, exp)  # exponent field 0 -> 0
     sign = (bits >> 31) & 1
-    codes = torch.where(mag != 0, mag | (sign << man_bits), 0)
+    codes = mag | ((sign << man_bits) & lt_mask(0, mag))  # a zero magnitude carries no sign
     return codes, shared
 
 
@@ -92,36 +90,52 @@ def bfp_decode(codes: torch.Tensor, shared: torch.Tensor, man_bits: int) -> torc
     exp = shared - shift_count
     man = (mag << torch.clamp(shift_count + 1, 0, 31)) & ((1 << man_bits) - 1)
     bits = (sign << 31) | (exp << 23) | (man << (23 - man_bits))
-    bits = torch.where((mag == 0) | (exp < 0), 0, bits)
-    return _f32(bits)
+    return _f32(bits & ~(lt_mask(mag, 1) | lt_mask(exp, 0)))  # zero magnitude, or exponent < 0: flush
+
+
+def bfp_fake(xb: torch.Tensor, man_bits: int, rounding: str, noise: Noise | None) -> torch.Tensor:
+    """bfp_decode(bfp_encode(xb)) in about half the ops: a code from the packer always decodes to
+    magnitude * 2^(shared - 127 - (w - 1)) (its exponent is its input's, >= 1); blocks holding inf /
+    NaN (shared exponent 255) take the exact unpacker path."""
+    codes, shared = bfp_encode(xb, man_bits, rounding, noise)
+    if bool((shared == 255).any()):
+        return bfp_decode(codes, shared, man_bits)
+    mag = codes & ((1 << man_bits) - 1)
+    value = mag.to(torch.float32) * 2.0 ** -(man_bits - 1) * _f32(shared << 23)
+    return _f32(_i32(value) | ((codes << (31 - man_bits)) & SIGN_BIT))
 
 
 # --- OCP MX ---------------------------------------------------------------------------------------
 
 
+def abs_amax_bits(xb: torch.Tensor) -> torch.Tensor:
+    """int32 bits of max |x| over the last dim (a NaN anywhere gives NaN bits): an integer max of the
+    magnitude bits, as float32 order is integer order for non-negative floats."""
+    return (_i32(xb) & 0x7FFFFFFF).amax(dim=-1, keepdim=True)
+
+
 def mx_scale(xb: torch.Tensor, emax_elem: int) -> torch.Tensor:
     """Biased E8M0 shared exponent per block, int32 [..., nb, 1]: floor(log2(amax)) - emax_elem + 127,
     clamped to [0, 254]; 255 (NaN) for a block with a NaN or an infinity."""
-    amax = xb.abs().amax(dim=-1, keepdim=True)
-    field = (_i32(amax) >> 23) & 0xFF  # exponent field of amax; 0 for zero / fp32 subnormal amax
-    biased = torch.clamp(field - emax_elem, min=0)  # (field - 127 - emax) + 127, floor at 2^-127
-    return torch.where(torch.isfinite(amax), biased, E8M0_NAN)
+    amax = abs_amax_bits(xb)
+    biased = torch.clamp((amax >> 23) - emax_elem, min=0)  # (field - 127 - emax) + 127, floor at 2^-127
+    return biased | (~lt_mask(amax, F32_INF_BITS) & E8M0_NAN)
 
 
 def e8m0_value(biased: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(X, 1/X) as float32 for biased E8M0 exponents in [0, 254] (255 treated as 1.0)."""
-    b = torch.where(biased == E8M0_NAN, 127, biased)
-    x = _f32(torch.where(b == 0, 1 << 22, b << 23))  # 2^-127 is a float32 subnormal
-    inv = _f32((254 - b) << 23)  # 1/X is always a normal float32
-    return x, inv
+    """(X, 1/X) as float32 for biased E8M0 exponents; X is NaN for 255 (and 1/X then 1.0)."""
+    nan = lt_mask(254, biased)
+    b = select(nan, 127, biased)
+    x = (b << 23) | (lt_mask(b, 1) & (1 << 22)) | (nan & 0x7FC00000)  # 2^-127 is a float32 subnormal
+    return _f32(x), _f32((254 - b) << 23)  # 1/X is always a normal float32
 
 
-def mx_elements(v: torch.Tensor, elem, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
+def mx_elements(v: torch.Tensor, elem, rounding: str, noise: Noise | None) -> torch.Tensor:
     """Scaled values V_i / X -> element-format values (saturating), float32."""
     if elem.kind == "int":
         step = float(2**elem.man_bits)
         limit = float((1 << (elem.man_bits + 1)) - 1)  # 127 for int8 with 6 fraction bits: symmetric
-        return torch.clamp(_round_int(v * step, rounding, generator), -limit, limit) / step + 0.0  # no -0
+        return torch.clamp(round_to_integer(v * step, rounding, noise), -limit, limit) / step + 0.0  # no -0
     return round_float(
         v,
         exp_bits=elem.exp_bits,
@@ -131,23 +145,23 @@ def mx_elements(v: torch.Tensor, elem, rounding: str, generator: torch.Generator
         has_inf=elem.has_inf,
         saturating=True,
         rounding=rounding,
-        generator=generator,
+        noise=noise,
     )
 
 
 def mx_quantize(
-    xb: torch.Tensor, elem, rounding: str, generator: torch.Generator | None
+    xb: torch.Tensor, elem, rounding: str, noise: Noise | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (element values float32 [..., nb, 32], biased E8M0 int32 [..., nb, 1])."""
     biased = mx_scale(xb, elem.emax)
     _, inv = e8m0_value(biased)
-    p = mx_elements(xb * inv, elem, rounding, generator)
+    p = mx_elements(xb * inv, elem, rounding, noise)
     return p, biased
 
 
 def mx_dequantize(p: torch.Tensor, biased: torch.Tensor) -> torch.Tensor:
     x, _ = e8m0_value(biased)
-    return torch.where(biased == E8M0_NAN, torch.nan, p * x)
+    return p * x  # X is NaN for a NaN scale
 
 
 # --- NVFP4 ----------------------------------------------------------------------------------------
@@ -161,10 +175,10 @@ def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
 
 
 def nvfp4_quantize(
-    xb: torch.Tensor, ts: torch.Tensor, elem, scale_fmt, rounding: str, generator: torch.Generator | None
+    xb: torch.Tensor, ts: torch.Tensor, elem, scale_fmt, rounding: str, noise: Noise | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (e2m1 element values float32 [..., nb, 16], E4M3 block scales float32 [..., nb, 1])."""
-    amax = xb.abs().amax(dim=-1, keepdim=True)
+    amax = _f32(abs_amax_bits(xb))
     sb = torch.clamp((amax / E2M1_MAX) / ts, min=E4M3_MIN_NORMAL, max=E4M3_MAX)
     sb = round_float(
         sb,
@@ -176,7 +190,7 @@ def nvfp4_quantize(
         saturating=True,
     )  # the scale is always rounded to nearest, whatever the element rounding
     v = torch.clamp(xb * ((1.0 / ts) / sb), -E2M1_MAX, E2M1_MAX)
-    p = mx_elements(v, elem, rounding, generator)
+    p = mx_elements(v, elem, rounding, noise)
     return p, sb
 
 

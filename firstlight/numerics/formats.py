@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from firstlight.numerics import blocks
 from firstlight.numerics.errors import NumericsError
-from firstlight.numerics.scalar import check_rounding, float_codes, float_decode, round_float
+from firstlight.numerics.scalar import Noise, check_rounding, float_codes, float_decode, round_float
 
 KINDS = ("float", "int", "block_float", "mx", "nvfp4")
 SCALAR_KINDS = ("float", "int")
@@ -143,6 +143,7 @@ _BLOCK = [
 
 FORMATS: dict[str, Format] = {f.name: f for f in _SCALAR + _BLOCK}
 SCALINGS_HELP = "None, 'tensor' or 'block:N'"
+CHUNK_ELEMENTS = 1 << 16  # values fake-quantized per step (256 KiB of float32)
 
 
 def get_format(name: str | Format) -> Format:
@@ -203,51 +204,90 @@ def _norm_axis(x: torch.Tensor, axis: int) -> int:
     return axis % x.dim()
 
 
-def _round_scalar(x: torch.Tensor, f: Format, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
+def _round_scalar(x: torch.Tensor, f: Format, rounding: str, noise: Noise | None) -> torch.Tensor:
     if f.kind == "int":
-        return blocks.mx_elements(x, f, rounding, generator)
+        return blocks.mx_elements(x, f, rounding, noise)
     return round_float(
         x, exp_bits=f.exp_bits, man_bits=f.man_bits, bias=f.bias, max_normal=f.max_normal,
-        has_inf=f.has_inf, saturating=f.saturating, rounding=rounding, generator=generator,
+        has_inf=f.has_inf, saturating=f.saturating, rounding=rounding, noise=noise,
     )  # fmt: skip
 
 
-def _amax_scale(xb: torch.Tensor, f: Format, keepdim_dims: tuple[int, ...] | None) -> torch.Tensor:
-    """fp32 scale amax / max_normal (per tensor when keepdim_dims is None, else per block); 1 where amax is 0."""
-    amax = xb.abs().amax() if keepdim_dims is None else xb.abs().amax(dim=keepdim_dims, keepdim=True)
+def _amax_scale(xb: torch.Tensor, f: Format, per_block: bool) -> torch.Tensor:
+    """fp32 scale amax / max_normal (per tensor, or per row of xb); 1 where amax is 0 or not finite."""
+    amax = blocks.abs_amax_bits(xb).view(torch.float32) if per_block else xb.abs().amax()
     s = amax / f.max_normal
     return torch.where((s > 0) & torch.isfinite(s), s, torch.ones_like(s))
 
 
+def _noise(rounding: str, generator: torch.Generator | None) -> Noise | None:
+    return Noise.draw(generator) if rounding == "stochastic" else None
+
+
+def _at(noise: Noise | None, offset: int) -> Noise | None:
+    return None if noise is None else noise.at(offset)
+
+
+def _fake_rows(
+    rows: torch.Tensor, f: Format, rounding: str, noise: Noise | None, block_scaled: bool, ts: torch.Tensor | None
+) -> torch.Tensor:
+    """Fake-quantize rows [r, C] (each row one block, or a flat run of scalar values)."""
+    if f.kind in SCALAR_KINDS:
+        if not block_scaled:
+            return _round_scalar(rows, f, rounding, noise)
+        s = _amax_scale(rows, f, True)
+        return _round_scalar(rows / s, f, rounding, noise) * s
+    if f.kind == "block_float":
+        return blocks.bfp_fake(rows, f.man_bits, rounding, noise)
+    elem = FORMATS[f.element]
+    if f.kind == "mx":
+        return blocks.mx_dequantize(*blocks.mx_quantize(rows, elem, rounding, noise))
+    p, sb = blocks.nvfp4_quantize(rows, ts, elem, FORMATS[f.scale], rounding, noise)
+    return blocks.nvfp4_dequantize(p, sb, ts)
+
+
+def _map_rows(fn, x2d: torch.Tensor) -> torch.Tensor:
+    """fn(rows, flat_offset) over row chunks of ~CHUNK_ELEMENTS values: temporaries stay small (no
+    page faults from large fresh allocations) and in cache. Results do not depend on the chunking."""
+    num_rows, width = x2d.shape
+    step = max(1, CHUNK_ELEMENTS // max(width, 1))
+    if num_rows <= step:
+        return fn(x2d, 0)
+    out = torch.empty_like(x2d)
+    for start in range(0, num_rows, step):
+        out[start : start + step] = fn(x2d[start : start + step], start * width)
+    return out
+
+
 def _quantize_parts(
-    x: torch.Tensor, f: Format, axis: int, rounding: str, generator: torch.Generator | None, scaling: str | None
+    x: torch.Tensor, f: Format, axis: int, rounding: str, noise: Noise | None, scaling: str | None
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int, int]:
-    """-> (values in the format's own units, blocked if blocked; scales; tensor scale; n; axis)."""
+    """For `encode`: (values in the format's own units, blocked if blocked; scales; tensor scale; n; axis)."""
     x = x.to(torch.float32)
     if f.kind in SCALAR_KINDS:
         block = _parse_scaling(scaling, f)
         if block is None:
-            return _round_scalar(x, f, rounding, generator), None, None, 0, axis
+            return _round_scalar(x.contiguous(), f, rounding, noise), None, None, 0, axis
         if block == 0:
-            s = _amax_scale(x, f, None)
-            return _round_scalar(x / s, f, rounding, generator), s, None, 0, axis
+            s = _amax_scale(x, f, False)
+            return _round_scalar((x / s).contiguous(), f, rounding, noise), s, None, 0, axis
         axis = _norm_axis(x, axis)
         xb, n = _to_blocks(x, axis, block)
-        s = _amax_scale(xb, f, (-1,))
-        return _round_scalar(xb / s, f, rounding, generator), s, None, n, axis
+        s = _amax_scale(xb, f, True)
+        return _round_scalar(xb / s, f, rounding, noise), s, None, n, axis
     if scaling is not None:
         _parse_scaling(scaling, f)
     axis = _norm_axis(x, axis)
     xb, n = _to_blocks(x, axis, f.block_size)
     if f.kind == "block_float":
-        codes, shared = blocks.bfp_encode(xb, f.man_bits, rounding, generator)
+        codes, shared = blocks.bfp_encode(xb, f.man_bits, rounding, noise)
         return codes, shared, None, n, axis
     elem = FORMATS[f.element]
     if f.kind == "mx":
-        p, biased = blocks.mx_quantize(xb, elem, rounding, generator)
+        p, biased = blocks.mx_quantize(xb, elem, rounding, noise)
         return p, biased, None, n, axis
     ts = blocks.nvfp4_tensor_scale(x)
-    p, sb = blocks.nvfp4_quantize(xb, ts, elem, FORMATS[f.scale], rounding, generator)
+    p, sb = blocks.nvfp4_quantize(xb, ts, elem, FORMATS[f.scale], rounding, noise)
     return p, sb, ts, n, axis
 
 
@@ -271,16 +311,25 @@ def quantize(
     check_rounding(rounding, generator)
     if f.name == "fp32" and scaling is None:
         return x.to(torch.float32)
-    vals, scales, ts, n, axis = _quantize_parts(x, f, axis, rounding, generator, scaling)
+    noise = _noise(rounding, generator)
+    x = x.to(torch.float32)
     if f.kind in SCALAR_KINDS:
-        if scales is None:
-            return vals
-        return vals * scales if scales.dim() == 0 else _from_blocks(vals * scales, n, axis)
-    if f.kind == "block_float":
-        return _from_blocks(blocks.bfp_decode(vals, scales, f.man_bits), n, axis)
-    if f.kind == "mx":
-        return _from_blocks(blocks.mx_dequantize(vals, scales), n, axis)
-    return _from_blocks(blocks.nvfp4_dequantize(vals, scales, ts), n, axis)
+        block = _parse_scaling(scaling, f)
+        if not block:  # None (no scaling) or 0 (one scale for the tensor)
+            s = None if block is None else _amax_scale(x, f, False)
+            flat = (x if s is None else x / s).contiguous().view(-1, 1)
+            out = _map_rows(lambda rows, off: _round_scalar(rows, f, rounding, _at(noise, off)), flat).view(x.shape)
+            return out if s is None else out * s
+    else:
+        if scaling is not None:
+            _parse_scaling(scaling, f)
+        block = f.block_size
+    axis = _norm_axis(x, axis)
+    xb, n = _to_blocks(x, axis, block)
+    ts = blocks.nvfp4_tensor_scale(x) if f.kind == "nvfp4" else None
+    scaled = f.kind in SCALAR_KINDS
+    out = _map_rows(lambda rows, off: _fake_rows(rows, f, rounding, _at(noise, off), scaled, ts), xb.view(-1, block))
+    return _from_blocks(out.view(xb.shape), n, axis)
 
 
 def _elem_codes(p: torch.Tensor, elem: Format) -> torch.Tensor:
@@ -313,7 +362,7 @@ def encode(
     f = get_format(fmt)
     check_rounding(rounding, generator)
     shape = tuple(x.shape)
-    vals, scales, ts, _, axis = _quantize_parts(x, f, axis, rounding, generator, scaling)
+    vals, scales, ts, _, axis = _quantize_parts(x, f, axis, rounding, _noise(rounding, generator), scaling)
     if f.kind in SCALAR_KINDS:
         return Encoded(f, _elem_codes(vals, f), scales, None, shape, axis % max(x.dim(), 1), scaling)
     if f.kind == "block_float":

@@ -440,3 +440,18 @@ def test_zero_dim_scalar_works_and_bad_input_names_the_problem() -> None:
     with pytest.raises(NumericsError, match="axis"):
         quantize(torch.ones(2, 3), "mxfp4", axis=2)
     assert NumericsError.exit_code == 2
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8_e4m3", "bfp8_b", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("rounding", ["rne", "stochastic"])
+def test_large_tensors_are_processed_in_chunks_without_changing_a_bit(name: str, rounding: str) -> None:
+    from firstlight.numerics.formats import CHUNK_ELEMENTS
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(3 * CHUNK_ELEMENTS // 64 + 5, 64, generator=g)
+
+    def gen() -> torch.Generator | None:
+        return torch.Generator().manual_seed(11) if rounding == "stochastic" else None
+
+    q = quantize(x, name, rounding=rounding, generator=gen())
+    assert same_bits(decode(encode(x, name, rounding=rounding, generator=gen())), q)  # encode runs unchunked

@@ -8,12 +8,15 @@ The emulated-chip target (`firstlight.targets.emulated`) computes with these; do
 from firstlight.numerics.arithmetic import FIDELITIES, MatmulNumerics, matmul
 from firstlight.numerics.errors import NumericsError
 from firstlight.numerics.formats import FORMATS, Encoded, Format, decode, encode, get_format, quantize
+from firstlight.numerics.transcendentals import APPROX, approx
 
 __all__ = [
+    "APPROX",
     "FIDELITIES",
     "FORMATS",
     "Encoded",
     "Format",
+    "approx",
     "MatmulNumerics",
     "NumericsError",
     "decode",

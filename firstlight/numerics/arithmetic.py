@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from firstlight.numerics.errors import NumericsError
 from firstlight.numerics.formats import SCALAR_KINDS, get_format, quantize
-from firstlight.numerics.scalar import ROUNDINGS
+from firstlight.numerics.scalar import ROUNDINGS, Noise, round_e8_
 
 FIDELITIES = ("lofi", "hifi2", "hifi3", "hifi4")
 NUM_PHASES = {"lofi": 1, "hifi2": 2, "hifi3": 3, "hifi4": 4}
@@ -104,18 +104,18 @@ def _mask(x: torch.Tensor, mask: int) -> torch.Tensor:
     return (x.to(torch.float32).contiguous().view(torch.int32) & mask).view(torch.float32)
 
 
-def fidelity_products(
-    a: torch.Tensor, b: torch.Tensor, fidelity: str | None, *, merged: bool = True
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The (a_part, b_part) pairs whose matmuls sum to the product the fidelity computes.
+def _split(x: torch.Tensor, hi_mask: int, all_mask: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _mask(x, hi_mask), _mask(x, all_mask)
 
-    merged=True combines phases that share an operand slice (fewest matmuls, for an fp32
-    accumulator); merged=False gives one pair per hardware phase (0..N-1), in phase order.
-    """
+
+def _pairs(
+    a: torch.Tensor, b_parts: tuple[torch.Tensor, ...], fidelity: str | None, merged: bool
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """b_parts: (b,) without fidelity, (b_hi, b_all) with it."""
     if fidelity is None:
-        return [(a, b)]
-    a_hi, a_all = _mask(a, SRCB_HI_MASK), _mask(a, SRCB_ALL_MASK)
-    b_hi, b_all = _mask(b, SRCA_HI_MASK), _mask(b, SRCA_ALL_MASK)
+        return [(a, b_parts[0])]
+    a_hi, a_all = _split(a, SRCB_HI_MASK, SRCB_ALL_MASK)
+    b_hi, b_all = b_parts
     if merged:
         return {
             "lofi": [(a_hi, b_hi)],
@@ -126,6 +126,42 @@ def fidelity_products(
     a_lo, b_lo = a_all - a_hi, b_all - b_hi
     phases = [(a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi), (a_lo, b_lo)]
     return phases[: NUM_PHASES[fidelity]]
+
+
+def fidelity_products(
+    a: torch.Tensor, b: torch.Tensor, fidelity: str | None, *, merged: bool = True
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (a_part, b_part) pairs whose matmuls sum to the product the fidelity computes.
+
+    merged=True combines phases that share an operand slice (fewest matmuls, for an fp32
+    accumulator); merged=False gives one pair per hardware phase (0..N-1), in phase order.
+    """
+    b_parts = (b,) if fidelity is None else _split(b, SRCA_HI_MASK, SRCA_ALL_MASK)
+    return _pairs(a, b_parts, fidelity, merged)
+
+
+@dataclass(frozen=True)
+class PreparedWeight:
+    """A weight quantized to `numerics.b_format`, tile-padded and split into its fidelity slices once,
+    as a target keeps a compiled kernel's weights: pass it to `matmul` as `b`."""
+
+    parts: tuple[torch.Tensor, ...]  # (b,) or (b_hi, b_all): [..., K', N'] after tile padding
+    shape: tuple[int, ...]  # the original [..., K, N]
+    numerics: MatmulNumerics
+    axis: int
+
+
+def prepare_weight(b: torch.Tensor, numerics: MatmulNumerics, *, b_axis: int = -2) -> PreparedWeight:
+    if b.dim() < 2:
+        raise NumericsError(f"a weight must be [..., K, N], got shape {tuple(b.shape)}")
+    shape = tuple(b.shape)
+    b = b.to(torch.float32)
+    if numerics.tile is not None:
+        rows, cols = numerics.tile
+        b = _pad_to(_pad_to(b, -2, math.lcm(rows, cols)), -1, cols)
+    b = quantize(b, numerics.b_format, axis=b_axis)
+    parts = (b,) if numerics.fidelity is None else _split(b, SRCA_HI_MASK, SRCA_ALL_MASK)
+    return PreparedWeight(parts, shape, numerics, b_axis)
 
 
 def _pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
@@ -152,6 +188,9 @@ def _narrow_accumulate(
     out_shape = torch.broadcast_shapes(a0.shape[:-2], b0.shape[:-2]) + (a0.shape[-2], b0.shape[-1])
     per_chunk = max(1, math.prod(out_shape))
     group = max(1, MAX_PARTIAL_ELEMENTS // per_chunk)
+    fmt = get_format(numerics.accumulator)
+    in_place = fmt.exp_bits == 8  # bf16 / tf32 / fp22: round the running sum in place
+    cast_to = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(fmt.name) if numerics.rounding == "rne" else None
     total = torch.zeros(out_shape, dtype=torch.float32, device=pairs[0][0].device)
     acc = torch.zeros_like(total)
     for start in range(0, num_chunks, group):
@@ -159,35 +198,58 @@ def _narrow_accumulate(
         partials = [a[..., start:stop, :, :] @ b[..., start:stop, :, :] for a, b in split]  # [..., c, M, N]
         for c in range(stop - start):
             for p in partials:
-                acc = quantize(acc + p[..., c, :, :], numerics.accumulator, rounding=numerics.rounding, generator=generator)
+                if cast_to is not None:  # torch's own casts round to nearest even, like ours, faster
+                    acc = (p[..., c, :, :] + acc).to(cast_to)
+                elif in_place:
+                    acc.add_(p[..., c, :, :])
+                    noise = Noise.draw(generator) if generator is not None else None
+                    round_e8_(acc, fmt.man_bits, numerics.rounding, noise)
+                else:
+                    acc = quantize(acc + p[..., c, :, :], fmt, rounding=numerics.rounding, generator=generator)
             if chunks_per_promotion and ((start + c + 1) % chunks_per_promotion == 0):
                 total = total + acc
                 acc = torch.zeros_like(acc)
-    return total + acc if chunks_per_promotion else acc
+    return (total + acc) if chunks_per_promotion else acc.to(torch.float32)
 
 
 def matmul(
-    a: torch.Tensor, b: torch.Tensor, numerics: MatmulNumerics, *, a_axis: int = -1, b_axis: int = -2
+    a: torch.Tensor,
+    b: torch.Tensor | PreparedWeight,
+    numerics: MatmulNumerics,
+    *,
+    a_axis: int = -1,
+    b_axis: int = -2,
 ) -> torch.Tensor:
     """a [..., M, K] @ b [..., K, N] -> float32 [..., M, N], computed as `numerics` says.
 
     Operands are quantized to their formats with blocks along `a_axis` / `b_axis` (K by default;
-    weights stored [K, N] in Tenstorrent tiles have their bfp blocks along N: b_axis=-1). To skip
-    re-quantizing a weight on every call, quantize it once and pass b_format="fp32".
+    weights stored [K, N] in Tenstorrent tiles have their bfp blocks along N: b_axis=-1). A weight
+    used many times can be prepared once with `prepare_weight(b, numerics)` (quantized, padded,
+    fidelity-split), which saves its per-call cost.
     """
-    if a.dim() < 2 or b.dim() < 2 or a.shape[-1] != b.shape[-2]:
-        raise NumericsError(f"matmul needs a [..., M, K] and b [..., K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
-    m, n = a.shape[-2], b.shape[-1]
-    a, b = a.to(torch.float32), b.to(torch.float32)
+    if isinstance(b, PreparedWeight):
+        if (b.numerics.b_format, b.numerics.fidelity, b.numerics.tile) != (
+            numerics.b_format, numerics.fidelity, numerics.tile,
+        ):  # fmt: skip
+            raise NumericsError(
+                f"weight prepared for b_format={b.numerics.b_format}, fidelity={b.numerics.fidelity}, "
+                f"tile={b.numerics.tile}; this matmul wants {numerics.b_format}, {numerics.fidelity}, {numerics.tile}"
+            )
+        b_shape, prepared = b.shape, b
+    else:
+        b_shape, prepared = tuple(b.shape), None
+    if a.dim() < 2 or len(b_shape) < 2 or a.shape[-1] != b_shape[-2]:
+        raise NumericsError(f"matmul needs a [..., M, K] and b [..., K, N], got {tuple(a.shape)} and {b_shape}")
+    if prepared is None:
+        prepared = prepare_weight(b, numerics, b_axis=b_axis)
+    m, n = a.shape[-2], b_shape[-1]
+    a = a.to(torch.float32)
     if numerics.tile is not None:
         rows, cols = numerics.tile
-        k_multiple = math.lcm(rows, cols)
-        a = _pad_to(_pad_to(a, -2, rows), -1, k_multiple)
-        b = _pad_to(_pad_to(b, -2, k_multiple), -1, cols)
+        a = _pad_to(_pad_to(a, -2, rows), -1, math.lcm(rows, cols))
     a = quantize(a, numerics.a_format, axis=a_axis)
-    b = quantize(b, numerics.b_format, axis=b_axis)
     if not numerics.narrow_accumulator:
-        pairs = fidelity_products(a, b, numerics.fidelity, merged=True)
+        pairs = _pairs(a, prepared.parts, numerics.fidelity, merged=True)
         out = pairs[0][0] @ pairs[0][1]
         for pa, pb in pairs[1:]:
             out = out + pa @ pb
@@ -195,6 +257,6 @@ def matmul(
         generator = None
         if numerics.rounding == "stochastic":
             generator = torch.Generator(device=a.device).manual_seed(numerics.seed)
-        pairs = fidelity_products(a, b, numerics.fidelity, merged=False)
+        pairs = _pairs(a, prepared.parts, numerics.fidelity, merged=False)
         out = _narrow_accumulate(pairs, numerics, generator)
     return out[..., :m, :n]

@@ -66,6 +66,41 @@ def select(mask: torch.Tensor, if_set: torch.Tensor | int, if_clear: torch.Tenso
     return (if_set & mask) | (if_clear & ~mask)
 
 
+def fast_where(cond: torch.Tensor, a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:
+    """torch.where(cond, a, b) for float32 values, as an integer bit select (several times faster
+    than torch.where on CPU). a / b: float32 tensors broadcastable to cond, or Python floats."""
+    mask = -cond.to(torch.int32)
+
+    def bits(v: torch.Tensor | float) -> torch.Tensor | int:
+        if isinstance(v, torch.Tensor):
+            return v.to(torch.float32).contiguous().view(torch.int32)
+        return int(torch.tensor(v, dtype=torch.float32).view(torch.int32))
+
+    return select(mask, bits(a), bits(b)).view(torch.float32)
+
+
+def round_e8_(t: torch.Tensor, man_bits: int, rounding: str, noise: Noise | None) -> torch.Tensor:
+    """In place: round a contiguous float32 tensor to an 8-bit-exponent format (bf16, tf32, fp22).
+    Same bits as round_float, with two temporaries instead of a dozen (for accumulator loops)."""
+    shift = 23 - man_bits
+    if shift == 0:
+        return t
+    low = (1 << shift) - 1
+    bits = t.view(torch.int32)
+    nan = bits & ABS_MASK
+    nan.neg_().add_(F32_INF_BITS).bitwise_right_shift_(31)  # -1 where NaN
+    if rounding == "rne":
+        inc = (bits >> shift).bitwise_and_(1).add_(low >> 1)
+    elif rounding == "truncate":
+        inc = None
+    else:
+        inc = random_bits(t.shape, noise, t.device).bitwise_right_shift_(max(0, 24 - shift))
+    if inc is not None:
+        bits.add_(inc.bitwise_and_(~nan))  # no increment for NaN: its carry could reach the sign
+    bits.bitwise_and_(nan.bitwise_or_(~low))
+    return t
+
+
 @dataclass(frozen=True)
 class Noise:
     """A reproducible stream of uniform random bits for stochastic rounding: element i of a tensor

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from firstlight.numerics.errors import NumericsError
+from firstlight.numerics.scalar import fast_where, lt_mask, select
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 LN2 = math.log(2.0)
@@ -48,9 +49,8 @@ def exp_tt_approx(x: torch.Tensor) -> torch.Tensor:
     x = _float(x)
     t = x * 1.442695 + 192.0  # float32 add: t's fraction kept to 2^-16 (ulp of [128, 256))
     fixed = _i32(t) - 0x43400000 + (127 << 16)  # t - 192 in 16.16 fixed point, plus the exponent bias
-    out = _f32(fixed << 7)
-    out = torch.where(x >= 89, torch.inf, out)
-    return torch.where(x < -42, 0.0, out)
+    out = fast_where(x >= 89, math.inf, _f32(fixed << 7))
+    return fast_where(x < -42, 0.0, out)
 
 
 def exp_schraudolph(x: torch.Tensor) -> torch.Tensor:
@@ -70,12 +70,12 @@ def _exp_poly_squaring(a: torch.Tensor) -> torch.Tensor:
     exp(v) ~ 1 + v (0.863281 + 0.8373 v), then squared (exponent + 1) times (at most 8)."""
     bits = _i32(a)
     e = ((bits >> 23) & 0xFF) - 127
-    big = e >= 0
-    v = torch.where(big, _f32((bits & ~(0xFF << 23)) | (126 << 23)), a)
+    big = ~lt_mask(e, 0)  # -1 where |x| >= 1
+    v = _f32(select(big, (bits & ~(0xFF << 23)) | (126 << 23), bits))
     val = v * (v * 0.8373 + 0.86328125) + 1.0
-    squarings = torch.where(big, torch.clamp(e + 1, max=8), 0)
+    squarings = torch.clamp(e + 1, 0, 8) & big
     for s in range(8):
-        val = torch.where(squarings > s, val * val, val)
+        val = _f32(select(lt_mask(s, squarings), _i32(val * val), _i32(val)))
     return val
 
 
@@ -86,7 +86,7 @@ def exp_tt_accurate(x: torch.Tensor) -> torch.Tensor:
     each time: max rel error 1.3% on [-1, 1], 3.8% on [-4, 4], 83% on [-80, 80]."""
     x = _float(x)
     val = _exp_poly_squaring(x.abs())
-    return torch.where(x < 0, reciprocal_newton2(val), val)
+    return fast_where(x < 0, reciprocal_newton2(val), val)
 
 
 def exp_range_poly3(x: torch.Tensor) -> torch.Tensor:
@@ -94,10 +94,10 @@ def exp_range_poly3(x: torch.Tensor) -> torch.Tensor:
     Taylor polynomial: the textbook vector-unit exp (Cody & Waite range reduction). Max rel error
     8.0e-4 on [-80, 80]."""
     x = _float(x)
-    n = torch.round(x * (1 / LN2))
+    n = torch.clamp(torch.round(x * (1 / LN2)), -127, 128)
     r = x - n * LN2
     p = 1.0 + r * (1.0 + r * (0.5 + r * (1 / 6)))
-    return torch.ldexp(p, n.to(torch.int32))
+    return p * _f32((n.to(torch.int32) + 127) << 23)  # 2^n from its bits: inf above, 0 (flush) below
 
 
 # --- reciprocal, rsqrt, sqrt ------------------------------------------------------------------------
@@ -152,7 +152,7 @@ def sqrt_via_rsqrt(x: torch.Tensor) -> torch.Tensor:
     """sqrt(x) = x * rsqrt(x), rsqrt from the magic seed and two Newton steps (the SFPU sqrt of
     tt-metal uses the same magic-constant-plus-Newton scheme). Max rel error 4.7e-6; sqrt(0) = 0."""
     x = _float(x)
-    return torch.where(x == 0, 0.0, x * _quake_rsqrt(x, 2))
+    return fast_where(x == 0, 0.0, x * _quake_rsqrt(x, 2))
 
 
 # --- gelu, sigmoid, silu, tanh ---------------------------------------------------------------------
@@ -183,8 +183,13 @@ def gelu_tt_lut(x: torch.Tensor) -> torch.Tensor:
     Max abs error 0.023 (near |x| = 0.25)."""
     x = _float(x)
     a = x.abs()
-    idx = torch.bucketize(a, torch.tensor(_GELU_LUT_EDGES), right=True)
-    slope, intercept = _fp16(_GELU_LUT_SLOPE)[idx], _fp16(_GELU_LUT_INTERCEPT)[idx]
+    slopes, intercepts = _fp16(_GELU_LUT_SLOPE).tolist(), _fp16(_GELU_LUT_INTERCEPT).tolist()
+    slope = torch.full_like(a, slopes[0])
+    intercept = torch.full_like(a, intercepts[0])
+    for i, edge in enumerate(_GELU_LUT_EDGES):  # step functions: the table entry |x| falls in
+        step = (a >= edge).to(torch.float32)
+        slope += step * (slopes[i + 1] - slopes[i])
+        intercept += step * (intercepts[i + 1] - intercepts[i])
     return 0.5 * x + (slope * a + intercept)
 
 
@@ -223,8 +228,8 @@ def log_poly3(x: torch.Tensor) -> torch.Tensor:
     m = _f32((bits & 0x7FFFFF) | (127 << 23)) - 1.0
     c1, c2, c3 = _LOG2_C
     out = (e.to(torch.float32) + m * (c1 + m * (c2 + m * c3))) * LN2
-    out = torch.where(x == 0, -torch.inf, out)
-    return torch.where(x < 0, torch.nan, out)
+    out = fast_where(x == 0, -math.inf, out)
+    return fast_where(x < 0, math.nan, out)
 
 
 # --- registry -------------------------------------------------------------------------------------

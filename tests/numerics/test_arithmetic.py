@@ -166,3 +166,16 @@ def test_bad_numerics_name_the_field(kwargs: dict, match: str) -> None:
 def test_shape_mismatch_is_a_numerics_error() -> None:
     with pytest.raises(NumericsError, match=r"\[\.\.\., K, N\]"):
         matmul(torch.ones(2, 3), torch.ones(4, 2), MatmulNumerics())
+
+
+@pytest.mark.parametrize("fidelity", [None, "hifi3"])
+def test_a_prepared_weight_gives_the_same_bits_and_must_match_the_numerics(fidelity: str | None) -> None:
+    from firstlight.numerics.arithmetic import prepare_weight
+
+    g = torch.Generator().manual_seed(8)
+    a, b = torch.randn(3, 40, generator=g), torch.randn(40, 20, generator=g)
+    nm = MatmulNumerics(a_format="bf16", b_format="bfp8_b", fidelity=fidelity, tile=(32, 32))
+    w = prepare_weight(b, nm)
+    assert torch.equal(matmul(a, w, nm), matmul(a, b, nm))
+    with pytest.raises(NumericsError, match="prepared for"):
+        matmul(a, w, MatmulNumerics(b_format="bfp4_b", fidelity=fidelity, tile=(32, 32)))

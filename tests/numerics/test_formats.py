@@ -455,3 +455,17 @@ def test_large_tensors_are_processed_in_chunks_without_changing_a_bit(name: str,
 
     q = quantize(x, name, rounding=rounding, generator=gen())
     assert same_bits(decode(encode(x, name, rounding=rounding, generator=gen())), q)  # encode runs unchunked
+
+
+@pytest.mark.parametrize("name", ["bf16", "tf32", "fp22"])
+@pytest.mark.parametrize("rounding", ["rne", "truncate"])
+def test_in_place_accumulator_rounding_matches_quantize(name: str, rounding: str) -> None:
+    from firstlight.numerics.scalar import round_e8_
+
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(5000, generator=g) * torch.logspace(-40, 38, 5000)
+    specials = torch.tensor([0x7FFFFFFF, 0x7F800001, -(2**31) + 1, 0x7F7FFFFF], dtype=torch.int32).view(torch.float32)
+    x = torch.cat([x, specials, torch.tensor([math.inf, -math.inf, -0.0, 1e-45])])
+    out = round_e8_(x.clone(), FORMATS[name].man_bits, rounding, None)
+    assert same_bits(out, quantize(x, name, rounding=rounding))
+    assert torch.isnan(out[5000:5002]).all()  # NaN payloads never carry into the sign

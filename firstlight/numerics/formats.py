@@ -106,6 +106,12 @@ _SCALAR = [
     _float("fp16", 5, 10, 15, inf=True, nan=True, sat=False, source="IEEE 754 binary16"),
     _float("fp8_e4m3", 4, 3, 7, inf=False, nan=True, sat=True, source=_OFP8 + " (saturating conversion)"),
     _float("fp8_e5m2", 5, 2, 15, inf=True, nan=True, sat=False, source=_OFP8),
+    # AMD CDNA3 / Graphcore "fnuz": bias one higher, no infinity, no negative zero (its code 0x80 is the
+    # one NaN), so every other pattern is finite: max 240 (E4M3) / 57344 (E5M2). Values as OFP8 otherwise.
+    _float("fp8_e4m3fnuz", 4, 3, 8, inf=False, nan=False, sat=True,
+           source="AMD CDNA 3 ISA reference, FP8 (E4M3 FNUZ); onnx float8e4m3fnuz"),
+    _float("fp8_e5m2fnuz", 5, 2, 16, inf=False, nan=False, sat=True,
+           source="AMD CDNA 3 ISA reference, BF8 (E5M2 FNUZ); onnx float8e5m2fnuz"),
     _float("fp6_e3m2", 3, 2, 3, inf=False, nan=False, sat=True, source=_MX),
     _float("fp6_e2m3", 2, 3, 1, inf=False, nan=False, sat=True, source=_MX),
     _float("fp4_e2m1", 2, 1, 1, inf=False, nan=False, sat=True, source=_MX),

@@ -310,7 +310,7 @@ class EmulatedTarget(Target):
     def run_op(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], site: OpSite) -> Any:
         name = K.packet(op)
         if K.is_movement(name):
-            return op(*args, **kwargs)
+            return K.carry_format(op(*args, **kwargs), args)
         cfg = self.site_numerics(site.module, name)
         if cfg.fallback:
             return self._on_host(op, name, args, kwargs, cfg)
@@ -325,9 +325,9 @@ class EmulatedTarget(Target):
             raise TargetError(f"chip '{self.chip}' does not lower {name} (in {site.module or 'the model'}); "
                               "override it with 'fallback: host' or 'decompose: true'")
         self.ops_emulated[name] += 1
-        args = K.round_inputs(args, cfg.activation)
-        if name in K.WEIGHT_MATMULS or name in K.ATTENTION_MATMULS:
+        if name in K.WEIGHT_MATMULS or name in K.ATTENTION_MATMULS:  # operands go to their own formats
             return K.run_matmul(name, args, kwargs, cfg, self._weights)
+        args = K.round_inputs(args, cfg.activation)
         if name == "aten._softmax":
             return K.run_softmax(args[0], args[1], self._impl(site.module, "aten.exp"),
                                  self._impl(site.module, "aten.reciprocal"), cfg.activation)

@@ -82,15 +82,33 @@ class SiteNumerics:
     seed: int = 0
 
 
+_HELD = "_firstlight_held_in"  # attribute naming the format a tensor's values are already held in
+
+
 def round_to(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """x held in `fmt` (fp32 tensor of representable values); the common formats by casting."""
-    if fmt == "fp32" or not x.is_floating_point():
+    """x held in `fmt` (fp32 tensor of representable values); the common formats by casting.
+
+    The result is marked with its format, so a tensor an emulated op produced is not rounded again
+    when the next op reads it (rounding is idempotent; this only saves the work)."""
+    if fmt == "fp32" or not x.is_floating_point() or getattr(x, _HELD, None) == fmt:
         return x
     if fmt == "bf16":
-        return x.to(torch.bfloat16).to(x.dtype)
-    if fmt == "fp16":
-        return x.to(torch.float16).to(x.dtype)
-    return quantize(x.float(), fmt).to(x.dtype)
+        out = x.to(torch.bfloat16).to(x.dtype)
+    elif fmt == "fp16":
+        out = x.to(torch.float16).to(x.dtype)
+    else:
+        out = quantize(x.float(), fmt).to(x.dtype)
+    setattr(out, _HELD, fmt)
+    return out
+
+
+def carry_format(out: Any, args: tuple[Any, ...]) -> Any:
+    """A movement op's output holds its input's values: it keeps the input's format mark."""
+    src = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    fmt = getattr(src, _HELD, None) if src is not None else None
+    if fmt is not None and isinstance(out, torch.Tensor) and out.is_floating_point():
+        setattr(out, _HELD, fmt)
+    return out
 
 
 def _map(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -161,7 +179,8 @@ def run_matmul(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], cfg: Si
     if alpha != 1:
         out = out * alpha
     if bias is not None:
-        out = out + (bias.float() if beta == 1 else beta * bias.float())
+        bias = round_to(bias, cfg.activation).float()
+        out = out + (bias if beta == 1 else beta * bias)
     return round_to(out, cfg.activation)
 
 

@@ -18,6 +18,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "targets": ("engine", "bench", "verify", "bringup"),
     "bench": ("engine", "models", "sim", "verify", "targets"),
     "sim": ("engine", "models", "verify", "targets", "bench"),
+    "numerics": ("engine", "bench", "sim", "verify", "targets", "bringup", "models", "quant", "eval", "train"),
     "core": ("engine", "models", "verify", "targets", "bench", "sim", "quant", "bringup", "eval", "train"),
 }
 

@@ -150,7 +150,8 @@ class PositionDivergence(Signature):
 class UnitComposition(Signature):
     kind: ClassVar[str] = "unit_composition"
     unit: str = ""
-    module: str = ""  # the first op over tolerance when propagated, if any
+    module: str = ""  # the op with the largest isolated error in the unit's replay: where remedies aim
+    op: str = ""
 
     def key(self) -> str:
         return f"{self.kind}:{module_kind(self.unit).split('.')[0]}"
@@ -217,9 +218,11 @@ def _unit_failure(result: dict[str, Any], ctx: Context) -> Signature | None:
     if not first:
         return None
     c = result.get("culprit")
-    if c is None:
-        prop = first.get("first_propagated_op") or {}
-        return UnitComposition(unit=first.get("unit", ""), module=prop.get("module", ""))
+    if c is None:  # every op within tolerance alone: aim at the one closest to failing
+        worst = max((r for r in result.get("ops") or [] if math.isfinite(r["isolated"].get("rel_l2", 0.0))),
+                    key=lambda r: r["isolated"].get("rel_l2", 0.0), default=None)
+        prop = worst or first.get("first_propagated_op") or {}
+        return UnitComposition(unit=first.get("unit", ""), module=prop.get("module", ""), op=prop.get("op", ""))
     op, module = c["op"], c["module"]
     cls = op_class(op, module)
     if cls == "matmul":

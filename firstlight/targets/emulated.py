@@ -20,6 +20,7 @@ that chip, so a precision choice shows its cost next to its error in the verify 
 
 from __future__ import annotations
 
+import functools
 import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -81,6 +82,7 @@ class _EmulateMode(TorchDispatchMode):
         return t.run_op(func, args, kwargs or {}, OpSite(module=path, layer=layer_of(path), nth=nth, op=name))
 
 
+@functools.lru_cache(maxsize=None)
 def _is_composite(func: Any) -> bool:
     """An op made of other ATen ops (linear, softmax, ...): it reaches a dispatch mode whole under
     inference mode; decomposing it there sends the ops it is made of through the mode, as always."""

@@ -27,6 +27,7 @@ import torch
 
 from firstlight.core.hardware import MatmulNumericsSpec
 from firstlight.numerics import MatmulNumerics, approx, matmul, quantize
+from firstlight.numerics.arithmetic import PreparedWeight, prepare_weight
 
 aten = torch.ops.aten
 
@@ -126,30 +127,30 @@ def quantize_operand(x: torch.Tensor, fmt: str, axis: int, scaling: str | None) 
 
 
 class WeightCache:
-    """Weights quantized once per (storage, version, view, format): they do not change between calls.
+    """Weights prepared once (quantized, padded, fidelity-split) per storage, version, view and numerics.
 
     Only the prepared model's own parameters are cached (`pin`): their storage outlives the cache,
-    so a pointer can never be reused by another tensor. Anything else is quantized on every call.
+    so a pointer can never be reused by another tensor. Anything else is prepared on every call.
     """
 
     def __init__(self) -> None:
-        self._cache: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._cache: dict[tuple[Any, ...], PreparedWeight] = {}
         self._pinned: dict[int, torch.Tensor] = {}  # storage pointer -> a parameter holding it alive
 
     def pin(self, params: Any) -> None:
         for p in params:
             self._pinned[p.untyped_storage().data_ptr()] = p
 
-    def get(self, w: torch.Tensor, fmt: str, axis: int, scaling: str | None) -> torch.Tensor:
-        if fmt == "fp32":
-            return w
+    def get(self, w: torch.Tensor, spec: MatmulNumericsSpec, axis: int, num: MatmulNumerics) -> PreparedWeight:
         ptr = w.untyped_storage().data_ptr()
-        if ptr not in self._pinned:
-            return quantize_operand(w, fmt, axis, scaling)
-        key = (ptr, w.storage_offset(), tuple(w.shape), w.stride(), w._version, fmt, axis, scaling)
-        hit = self._cache.get(key)
+        key = (ptr, w.storage_offset(), tuple(w.shape), w.stride(), w._version, spec.b_format, spec.b_scaling, axis,
+               num.fidelity, num.tile)
+        hit = self._cache.get(key) if ptr in self._pinned else None
         if hit is None:
-            hit = self._cache[key] = quantize_operand(w, fmt, axis, scaling)
+            q = quantize_operand(w, spec.b_format, axis, spec.b_scaling)
+            hit = prepare_weight(q.float(), num, b_axis=axis)
+            if ptr in self._pinned:
+                self._cache[key] = hit
         return hit
 
 
@@ -159,7 +160,7 @@ def run_matmul(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], cfg: Si
 
     Operands are quantized here (blocks of `a` along K; of a weight `b` along `cfg.b_block_axis`,
     of an activation `b` along K), then `numerics.matmul` multiplies them with the chip's fidelity
-    and accumulates in its accumulator.
+    and accumulates in its accumulator. A weight is prepared once (WeightCache).
     """
     if name in ("aten.addmm", "aten.baddbmm"):
         bias, a, b = args[:3]
@@ -167,15 +168,14 @@ def run_matmul(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], cfg: Si
     else:
         (a, b), bias, beta, alpha = args[:2], None, 1, 1
     spec = cfg.matmul
-    a = quantize_operand(a, spec.a_format, -1, spec.a_scaling)
-    if name in WEIGHT_MATMULS:
-        b = weights.get(b, spec.b_format, cfg.b_block_axis, spec.b_scaling)
-    else:
-        b = quantize_operand(b, spec.b_format, -2, spec.b_scaling)
     num = MatmulNumerics(fidelity=spec.fidelity, accumulator=spec.accumulator,
                          promotion_interval=spec.promotion_interval, rounding=spec.rounding,
                          seed=cfg.seed if spec.rounding == "stochastic" else None, tile=cfg.tile)
-    out = matmul(a.float(), b.float(), num)
+    a = quantize_operand(a, spec.a_format, -1, spec.a_scaling)
+    if name in WEIGHT_MATMULS:
+        out = matmul(a.float(), weights.get(b, spec, cfg.b_block_axis, num), num)
+    else:
+        out = matmul(a.float(), quantize_operand(b, spec.b_format, -2, spec.b_scaling).float(), num)
     if alpha != 1:
         out = out * alpha
     if bias is not None:

@@ -71,9 +71,13 @@ def test_accumulation_needs_a_narrow_accumulator_and_growth_with_k():
     assert isinstance(sig, OpClassError) and sig.op_class == "matmul"
 
 
-def test_unit_failure_without_culprit_is_composition():
+def test_unit_failure_without_culprit_is_composition_aimed_at_the_worst_op():
     res = _result(first_failing={"unit": "layers.4", "first_propagated_op": {"module": "layers.4.mlp"}})
     assert classify(res) == UnitComposition(unit="layers.4", module="layers.4.mlp")
+    ops = [{"op": "aten.mm.default", "module": "layers.4.mlp.down_proj", "isolated": {"rel_l2": 0.03}},
+           {"op": "aten.mul.Tensor", "module": "layers.4.mlp", "isolated": {"rel_l2": 0.004}}]
+    sig = classify(_result(first_failing={"unit": "layers.4"}, ops=ops))
+    assert sig == UnitComposition(unit="layers.4", module="layers.4.mlp.down_proj", op="aten.mm.default")
 
 
 def test_concentrated_error_names_the_class():

@@ -82,7 +82,7 @@ class _EmulateMode(TorchDispatchMode):
         return t.run_op(func, args, kwargs or {}, OpSite(module=path, layer=layer_of(path), nth=nth, op=name))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _is_composite(func: Any) -> bool:
     """An op made of other ATen ops (linear, softmax, ...): it reaches a dispatch mode whole under
     inference mode; decomposing it there sends the ops it is made of through the mode, as always."""

@@ -5,9 +5,21 @@ from __future__ import annotations
 import pytest
 
 from firstlight.bringup.goal import GoalError, parse_goal
-from firstlight.bringup.signatures import (Accumulation, Context, DecodeOnly, NonFinite, OpClassError, OpNotLowered,
-                                           PositionDivergence, QualityOnly, TableMismatch, UnitComposition, classify,
-                                           module_kind, op_class)
+from firstlight.bringup.signatures import (
+    Accumulation,
+    Context,
+    DecodeOnly,
+    NonFinite,
+    OpClassError,
+    OpNotLowered,
+    PositionDivergence,
+    QualityOnly,
+    TableMismatch,
+    UnitComposition,
+    classify,
+    module_kind,
+    op_class,
+)
 from firstlight.targets.base import OpNotLoweredError
 
 

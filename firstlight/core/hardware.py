@@ -116,7 +116,8 @@ class MatmulNumericsSpec(_Strict):
     fidelity: str | None = None  # Tenstorrent math fidelity: lofi | hifi2 | hifi3 | hifi4; None = full multiplier
     accumulator: str = "fp32"  # format partial sums are held in
     promotion_interval: int | None = Field(default=None, ge=1)  # K between promotions of the partial sum to fp32
-    rounding: Literal["rne", "stochastic", "truncate"] = "rne"
+    rounding: Literal["rne", "stochastic", "truncate"] = "rne"  # of the narrow accumulator
+    mma_k: int | None = Field(default=None, ge=1)  # K of one hardware MMA: the narrow sum is rounded after each
 
 
 class HostFallbackSpec(_Strict):

@@ -170,7 +170,7 @@ def run_matmul(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], cfg: Si
     spec = cfg.matmul
     num = MatmulNumerics(fidelity=spec.fidelity, accumulator=spec.accumulator,
                          promotion_interval=spec.promotion_interval, rounding=spec.rounding,
-                         seed=cfg.seed if spec.rounding == "stochastic" else None, tile=cfg.tile)
+                         seed=cfg.seed if spec.rounding == "stochastic" else None, tile=cfg.tile, mma_k=spec.mma_k)
     a = quantize_operand(a, spec.a_format, -1, spec.a_scaling)
     if name in WEIGHT_MATMULS:
         out = matmul(a.float(), weights.get(b, spec, cfg.b_block_axis, num), num)

@@ -45,6 +45,7 @@ class MatmulOverride(_Strict):
     accumulator: str | None = None
     promotion_interval: int | None = Field(default=None, ge=1)
     rounding: Literal["rne", "stochastic", "truncate"] | None = None
+    mma_k: int | None = Field(default=None, ge=1)
 
     def set_fields(self) -> dict[str, Any]:
         return self.model_dump(exclude_unset=True)

@@ -52,10 +52,10 @@ class VerifyConfig:
     ppl_window: int = 128
     ppl_stride: int = 64
     seed: int = 0
-    decode_steps: int = 4  # serving path: chunked prefill, then this many one-token steps through the KV cache
+    decode_steps: int = 2  # serving path: chunked prefill, then this many one-token steps through the KV cache
     batch_path: bool = True  # serving path over 3 prompts of different lengths (False: the sequence alone)
     block_size: int = 16  # KV-cache block size of the serving paths (the engine's default)
-    chunk_size: int = 12  # chunked-prefill chunk of the batch path (not a multiple of block_size: chunks straddle edges)
+    chunk_size: int = 20  # chunked-prefill chunk (not a multiple of block_size: chunks straddle block edges)
 
 
 @dataclass

@@ -155,7 +155,7 @@ def test_honest_targets_pass_every_path(tiny_dirs, references):
         assert res.verdict == "match", res.reasons
         serve = res.paths["serve"]
         assert serve["ok"] and serve["kv_cache"]["ok"] and all(t["ok"] for t in res.tables)
-        assert [s["phase"] for s in serve["steps"]].count("decode") == 4
+        assert [s["phase"] for s in serve["steps"]].count("decode") == PPL_CFG.decode_steps == 2
         assert res.perplexity["ok"] and res.long_range is None and res.first_nonfinite is None
 
 

@@ -49,12 +49,13 @@ def main() -> None:
     prompt = load_tokenizer(path)(DEFAULT_PROMPT)["input_ids"]
     cache = ContinuationCache(Path(tempfile.mkdtemp(prefix="verify-cache-")))
 
-    def verify(new_tokens: int, cached: bool):  # -> (seconds, VerifyResult)
+    def verify(new_tokens: int, cached: bool, paths: bool = True):  # -> (seconds, VerifyResult)
         fault = Fault("scale", op="aten.silu", layer=20, value=1.2)
         model, _ = load_model(path, with_tokenizer=False)  # untimed: the target consumes its model
+        serving = {} if paths else {"decode_steps": 0, "batch_path": False}
         t0 = time.perf_counter()
         res = run_verify(path, FaultyTarget(faults=[fault]), "faulty", prompt,
-                         VerifyConfig(new_tokens=new_tokens, ppl_tokens=0), reference=ref, model=model,
+                         VerifyConfig(new_tokens=new_tokens, ppl_tokens=0, **serving), reference=ref, model=model,
                          reference_cache=cache if cached else None)
         return time.perf_counter() - t0, res
 
@@ -63,13 +64,16 @@ def main() -> None:
                      eos_token_id=None, pad_token_id=0)
 
     n = args.new_tokens
-    modes = {"no continuation": (0, False), f"{n}-token continuation, cold": (n, False),
-             f"{n}-token continuation, warm (cached)": (n, True)}
+    # Each mode: (new tokens, reference cache, serving paths). The last mode is the verify of before
+    # the serving paths (full-sequence units, parity and tables only), timed in the same repeat.
+    modes = {"no continuation": (0, False, True), f"{n}-token continuation, cold": (n, False, True),
+             f"{n}-token continuation, warm (cached)": (n, True, True),
+             f"{n}-token, warm, no serving paths": (n, True, False)}
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; torch threads {args.threads}; "
           f"medians of {args.repeats} repeats")
     seqs = {}
-    for new_tokens, cached in modes.values():  # warm-up; checks the fault is found; fills the cache
-        _, res = verify(new_tokens, cached)
+    for new_tokens, cached, paths in modes.values():  # warm-up; checks the fault is found; fills the cache
+        _, res = verify(new_tokens, cached, paths)
         assert res.culprit and res.culprit["module"] == "layers.20.mlp", res.culprit
         seqs[new_tokens] = torch.tensor([res.tokens])
     times: dict[str, list[float]] = {k: [] for k in (*modes, "base 0", f"base {n}", "generate")}
@@ -86,15 +90,15 @@ def main() -> None:
         with torch.no_grad():
             generate(n)
         times["generate"].append(time.perf_counter() - t0)
-        for name, (new_tokens, cached) in modes.items():
-            t, res = verify(new_tokens, cached)
+        for name, (new_tokens, cached, paths) in modes.items():
+            t, res = verify(new_tokens, cached, paths)
             times[name].append(t)
             stages[name].append(res.timings_s)
             sources[name] = f"{res.reference_continuation['source']} (cache: {res.reference_continuation['cache']})"
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"culprit {res.culprit['op']} in {res.culprit['module']} at {res.culprit['source']}")
     print(f"{'run':<36} {'seq':>4} {'verify s':>9} {'2 fwd s':>8} {'ratio':>6}  goal < 3x   continuation")
-    for name, (new_tokens, _) in modes.items():
+    for name, (new_tokens, _, _) in modes.items():
         ratio = med[name] / med[f"base {new_tokens}"]
         print(f"{name:<36} {seqs[new_tokens].shape[1]:>4} {med[name]:>9.2f} {med[f'base {new_tokens}']:>8.2f} "
               f"{ratio:>5.2f}x  {'met' if ratio < 3 else 'NOT met':<9}  {sources[name]}")
@@ -106,6 +110,9 @@ def main() -> None:
     cold = f"{n}-token continuation, cold"
     print(f"cold with the generation in the bound: {med[cold]:.2f} s vs "
           f"{med[f'base {n}'] + med['generate']:.2f} s = {med[cold] / (med[f'base {n}'] + med['generate']):.2f}x")
+    warm, off = f"{n}-token continuation, warm (cached)", f"{n}-token, warm, no serving paths"
+    print(f"serving paths (chunked prefill of 3 prompts + 2 decode steps, tables, K/V) cost "
+          f"{med[warm] - med[off]:.2f} s: warm verify {med[warm] / med[off]:.2f}x the same run without them")
     for name in modes:
         st = {k: round(statistics.median(s.get(k, 0.0) for s in stages[name]), 3) for k in stages[name][0]}
         print(f"  stage medians (s), {name}: {st}")

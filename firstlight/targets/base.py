@@ -24,6 +24,37 @@ the whole model's layers as it runs the layer units.
 `run_op` executes one ATen op of an FX graph in the target's numerics; the default runs it in
 PyTorch eagerly. A target for an emulated chip overrides it to use its own kernels, so that the
 harness can replay a failing layer op by op on the target.
+
+Serving-path units (extension, backward compatible: a target that only knows the keys above runs
+them unchanged, since they are plain tensor-in/tensor-out modules like every other unit; the
+adapters are in firstlight/verify/units.py):
+
+    key              inputs (then the parameters)                        outputs
+    tables           positions [B, S], key_positions [B, L]              per layer type, sorted: cos, sin
+                                                                          [B, 1, S, D] (target dtype),
+                                                                          mask [B, 1, S, L] (bool)
+    prefill          ids [B, S], positions [B, S], write_slots [B*S],    logits [B, S, V],
+                     gather_slots [B, L], key_positions [B, L],          kv' (kv with the new K/V
+                     kv [num_layers, 2, num_slots, Hkv, D]               written at write_slots)
+    decode           the same with S = 1                                 the same
+    decode_layer:<type>  x [B, S, E], cos, sin, mask, write_slots,       x' [B, S, E], kv_layer'
+                     gather_slots, kv_layer [2, num_slots, Hkv, D]
+
+`prefill` / `decode` are a whole forward through a paged KV cache, as a server runs it: the
+model's KV-cache protocol (firstlight/models/kv_cache.py) over a pool of slots, each row's keys
+gathered through its block table (`gather_slots`), new K/V scattered to `write_slots` (padding
+tokens write to a scratch slot), `key_positions` -1 where a slot holds no key. The unit is
+functional: it returns the updated pool instead of writing into its input, so a compiler can
+treat it like any other graph. Chunked prefill and batches of prompts of different lengths are
+`prefill` calls with several rows and padding (position -1). `tables` builds what the model
+builds once per forward (rotary cos/sin, attention masks) so verify can compare the target's
+tables with the reference's and feed the layer units the reference's.
+
+When a decode step is localized, its embedding and head run as units `decode_embed` and
+`decode_head` (the `embed` / `head` signatures). `unit_phase(key)` is "decode" for every key
+that starts with `decode`, else "prefill"; it is also
+`OpSite.phase` during op replay, so a target can compile (or a fault can select) decode
+differently from prefill, as real stacks do (different kernels for one-token steps).
 """
 
 from __future__ import annotations
@@ -60,6 +91,7 @@ class OpSite:
     layer: int | None
     nth: int
     op: str  # e.g. "aten.rsqrt.default"
+    phase: str = "prefill"  # "prefill" | "decode": the phase of the unit being run (see unit_phase)
 
 
 @dataclass
@@ -113,6 +145,11 @@ class Target:
 
     def report(self) -> TargetReport:
         return TargetReport(name=self.name, dtype=str(self.dtype).removeprefix("torch."))
+
+
+def unit_phase(key: str) -> str:
+    """'decode' for a decode-step unit key (`decode`, `decode_layer:<type>`, `decode_embed`, ...), else 'prefill'."""
+    return "decode" if key.split(":", 1)[0].startswith("decode") else "prefill"
 
 
 def op_name(op: Any) -> str:

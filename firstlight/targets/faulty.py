@@ -9,6 +9,18 @@ module's forward, and perturbs them:
     dtype      out rounded through `to` (default bfloat16) and back
     transpose  operand `arg` (default 1) transposed in its last two dims before the op
     constant   scalar argument `arg` (default: the first number) replaced by `value`
+    nan, inf   flat element `arg` (default 0) of the output set to NaN / +inf (one overflow)
+
+More selectors: `phase=prefill|decode` (the phase of the unit being run, from its key: see
+`unit_phase` in base.py; decode steps of verify's serving paths are `decode`), `from_row=R`
+(perturb only rows >= R of the output's second-to-last dim: the late positions of a sequence).
+
+Table faults corrupt what the model builds once per forward, everywhere the model builds it
+(whole forward, serving steps, the `tables` unit), by wrapping the model's own table builders:
+
+    kind=table,table=rope,min_position=P    cos/sin of every position p >= P computed for p * value
+    kind=table,table=mask                   in a row that holds padding (a query at position -1),
+                                            key slots with no key (position -1) are visible
 
 Command line: `--target faulty:op=aten.rsqrt,module=layers.1.input_layernorm,kind=scale,value=2`.
 SDPA is decomposed (see decompose.py) inside the modules a fault can select, so softmax and mask
@@ -18,6 +30,7 @@ ops can be hit; elsewhere the model runs as plain eager PyTorch.
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,10 +40,12 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from firstlight.targets.base import OpSite, Target, TargetError, TargetReport, op_name
+from firstlight.targets.base import OpSite, Target, TargetError, TargetReport, op_name, unit_phase
 from firstlight.targets.decompose import DecomposedSDPA
 
-KINDS = ("scale", "offset", "noise", "dtype", "transpose", "constant")
+KINDS = ("scale", "offset", "noise", "dtype", "transpose", "constant", "nan", "inf", "table")
+PHASES = ("prefill", "decode")
+TABLES = ("rope", "mask")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -51,6 +66,10 @@ class Fault:
     arg: int | None = None
     to: str = "bfloat16"
     seed: int = 0
+    phase: str | None = None  # None: every phase
+    from_row: int | None = None
+    table: str | None = None  # kind=table: rope | mask
+    min_position: int = 0  # kind=table,table=rope: first corrupted position
     hits: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
@@ -58,10 +77,22 @@ class Fault:
             raise TargetError(f"fault kind '{self.kind}' is not one of: {', '.join(KINDS)}")
         if self.to not in _DTYPES:
             raise TargetError(f"fault dtype round-trip 'to={self.to}' must be one of: {', '.join(_DTYPES)}")
+        if self.phase is not None and self.phase not in PHASES:
+            raise TargetError(f"fault phase '{self.phase}' is not one of: {', '.join(PHASES)}")
+        if self.kind == "table":
+            if self.table not in TABLES:
+                raise TargetError(f"a table fault needs table= one of: {', '.join(TABLES)} (got {self.table})")
+            return
+        if self.table is not None:
+            raise TargetError(f"table={self.table} is for kind=table only (got kind={self.kind})")
         if self.op is None and self.module is None and self.layer is None:
             raise TargetError("a fault needs at least one of op=, module=, layer= (else it hits every op)")
 
     def matches(self, site: OpSite) -> bool:
+        if self.kind == "table":
+            return False
+        if self.phase is not None and site.phase != self.phase:
+            return False
         if self.op is not None:
             full = site.op
             packet = full.rsplit(".", 1)[0] if full.count(".") >= 2 else full
@@ -91,9 +122,23 @@ class Fault:
                 raise TargetError(f"fault constant: {op_name(op)} has no scalar argument to replace")
             args = (*args[:idx], self.value, *args[idx + 1:])
             return op(*args, **kwargs)
-        return _map_float(op(*args, **kwargs), self._perturb)
+        return _map_float(op(*args, **kwargs), self._rows)
+
+    def _rows(self, out: torch.Tensor) -> torch.Tensor:
+        """The perturbation, on rows >= from_row of dim -2 only when `from_row` is set."""
+        if self.from_row is None:
+            return self._perturb(out)
+        if out.ndim < 2 or out.shape[-2] <= self.from_row:
+            return out
+        head, tail = out[..., : self.from_row, :], out[..., self.from_row:, :]
+        return torch.cat([head, self._perturb(tail)], dim=-2)
 
     def _perturb(self, out: torch.Tensor) -> torch.Tensor:
+        if self.kind in ("nan", "inf"):
+            out = out.clone()
+            flat = out.view(-1)
+            flat[min(self.arg or 0, flat.numel() - 1)] = math.nan if self.kind == "nan" else math.inf
+            return out
         if self.kind == "scale":
             return out * self.value
         if self.kind == "offset":
@@ -106,18 +151,20 @@ class Fault:
 
     @classmethod
     def from_options(cls, options: dict[str, str]) -> Fault:
-        known = {"kind", "op", "module", "layer", "nth", "value", "arg", "to", "seed"}
+        known = {"kind", "op", "module", "layer", "nth", "value", "arg", "to", "seed", "phase", "from_row", "table",
+                 "min_position"}
         unknown = sorted(set(options) - known)
         if unknown:
             raise TargetError(f"faulty target: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         if "kind" not in options:
             raise TargetError(f"faulty target needs kind= (one of: {', '.join(KINDS)})")
         try:
-            ints = {k: int(options[k]) for k in ("layer", "nth", "arg", "seed") if k in options}
+            ints = {k: int(options[k]) for k in ("layer", "nth", "arg", "seed", "from_row", "min_position")
+                    if k in options}
             value = {"value": float(options["value"])} if "value" in options else {}
         except ValueError as e:
             raise TargetError(f"faulty target: bad number in options ({e})") from e
-        strs = {k: options[k] for k in ("op", "module", "to") if k in options}
+        strs = {k: options[k] for k in ("op", "module", "to", "phase", "table") if k in options}
         return cls(kind=options["kind"], **ints, **value, **strs)
 
 
@@ -142,7 +189,8 @@ class _FaultMode(TorchDispatchMode):
         counts = t._counts.setdefault(path, {})
         nth = counts.get(name, 0)
         counts[name] = nth + 1
-        return t.run_op(func, args, kwargs, OpSite(module=path, layer=layer_of(path), nth=nth, op=name))
+        site = OpSite(module=path, layer=layer_of(path), nth=nth, op=name, phase=t._phase)
+        return t.run_op(func, args, kwargs, site)
 
 
 class FaultyTarget(Target):
@@ -166,16 +214,20 @@ class FaultyTarget(Target):
         self._stack: list[str] = []
         self._counts: dict[str, dict[str, int]] = {}  # module path -> op name -> calls so far
         self._hooks: list[Any] = []
-        self._everywhere = any(f.module is None and f.layer is None for f in self.faults)
+        self._everywhere = any(f.module is None and f.layer is None and f.kind != "table" for f in self.faults)
+        self._phase = "prefill"  # of the unit running now (its key, see unit_phase)
         self._running = False  # inside a compiled unit's run (not, e.g., the harness's make_fx trace)
         self._active: list[tuple[int, tuple[Any, ...]]] = []  # (stack depth that entered it, mode)
 
     def _can_hit(self, path: str) -> bool:
         """Whether any fault can select an op whose innermost module is `path`."""
         return any((f.layer is None or layer_of(path) == f.layer)
-                   and (f.module is None or fnmatch.fnmatchcase(path, f.module)) for f in self.faults)
+                   and (f.module is None or fnmatch.fnmatchcase(path, f.module)) for f in self.faults if f.kind != "table")
 
     def prepare(self, model: nn.Module) -> nn.Module:
+        for fault in self.faults:
+            if fault.kind == "table":
+                _plant_table_fault(model, fault)
         for path, module in model.named_modules():
             can_hit = self._can_hit(path)
             self._hooks.append(module.register_forward_pre_hook(self._enter(path, can_hit)))
@@ -201,10 +253,13 @@ class FaultyTarget(Target):
             self._stack.pop()
 
     def compile(self, unit: nn.Module, example_inputs: Sequence[torch.Tensor], key: str) -> Callable[..., Any]:
+        phase = unit_phase(key)
+
         def run(*inputs: torch.Tensor) -> Any:
             self._stack.clear()
             self._counts.clear()
             self._running = True
+            self._phase = phase
             try:
                 if self._everywhere:
                     with DecomposedSDPA(), _FaultMode(self):
@@ -230,7 +285,43 @@ class FaultyTarget(Target):
     def report(self) -> TargetReport:
         rep = super().report()
         for f in self.faults:
-            rep.notes.append(
-                f"fault {f.kind} op={f.op} module={f.module} layer={f.layer} nth={f.nth} value={f.value}: {f.hits} hit(s)"
-            )
+            where = f"table={f.table} min_position={f.min_position}" if f.kind == "table" else \
+                f"op={f.op} module={f.module} layer={f.layer} nth={f.nth} phase={f.phase} from_row={f.from_row}"
+            rep.notes.append(f"fault {f.kind} {where} value={f.value}: {f.hits} hit(s)")
         return rep
+
+
+def _plant_table_fault(model: nn.Module, fault: Fault) -> None:
+    """Wrap the model's own table builder (an instance attribute shadows the method) with the fault."""
+    if fault.table == "rope":
+        from firstlight.models.layers import rope_cos_sin
+
+        build = model.rope_tables
+
+        def rope_tables(positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+            out = build(positions, dtype)
+            bad = positions >= fault.min_position  # [B, S]
+            if not bool(bad.any()):
+                return out
+            fault.hits += 1
+            wrong = torch.where(bad, positions.float() * fault.value, positions.float())
+            sel = bad[:, None, :, None]
+            return {t: tuple(torch.where(sel, w, o) for w, o in
+                             zip(rope_cos_sin(model.inv_freq[t].to(positions.device), wrong, dtype), out[t], strict=True))
+                    for t in out}
+
+        model.rope_tables = rope_tables
+        return
+    build_masks = model.masks
+
+    def masks(positions: torch.Tensor, key_positions: torch.Tensor, allow_shortcuts: bool = False) -> dict[str, Any]:
+        out = build_masks(positions, key_positions, allow_shortcuts)
+        padded_rows = (positions < 0).any(-1)  # [B]
+        no_key = key_positions < 0  # [B, L]
+        if not bool(padded_rows.any() and no_key.any()):
+            return out
+        fault.hits += 1
+        leak = (padded_rows[:, None] & no_key)[:, None, None, :]  # [B, 1, 1, L]
+        return {t: (m | leak) if isinstance(m, torch.Tensor) else m for t, m in out.items()}
+
+    model.masks = masks

@@ -26,6 +26,11 @@ def verify(
     tolerance: Path | None = typer.Option(None, help="JSON tolerance overrides (see docs/VERIFY.md)."),
     threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
     quantization: str = typer.Option("none", help="Quantize our model first: none, int8, int4, fp8."),
+    decode_steps: int = typer.Option(
+        2, help="Serving path: one-token decode steps through the target's KV cache after a chunked prefill (0: none)."),
+    batch_path: bool = typer.Option(
+        True, "--batch-path/--no-batch-path",
+        help="Serving path over 3 prompts of different lengths (padding, masks, block tables); off: the prompt alone."),
     no_reference_cache: bool = typer.Option(
         False, "--no-reference-cache",
         help="Regenerate the reference's greedy continuation instead of reusing $FIRSTLIGHT_HOME/verify-cache."),
@@ -41,7 +46,8 @@ def verify(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ReferenceCacheWarning)  # printed below, one line each
             result = _run(model, target, dtype, prompt_file, new_tokens, ppl_tokens, tolerance, threads, quantization,
-                          reference_cache=not no_reference_cache, overrides=overrides)
+                          reference_cache=not no_reference_cache, decode_steps=decode_steps, batch_path=batch_path,
+                          overrides=overrides)
     except FirstlightError as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2) from None
@@ -63,7 +69,8 @@ def verify(
 
 def _run(model: str, target: str, dtype: str, prompt_file: Path | None, new_tokens: int, ppl_tokens: int,
          tolerance: Path | None, threads: int, quantization: str = "none",
-         reference_cache: bool = True, overrides: Path | None = None):  # -> VerifyResult
+         reference_cache: bool = True, decode_steps: int = 2, batch_path: bool = True,
+         overrides: Path | None = None):  # -> VerifyResult
     import torch
 
     from firstlight.data import load_text
@@ -100,7 +107,9 @@ def _run(model: str, target: str, dtype: str, prompt_file: Path | None, new_toke
     if tolerance is not None:
         policy = policy.with_file(tolerance)
     ppl_ids = tok(load_text("hamlet-sample"))["input_ids"] if ppl_tokens else None
-    cfg = VerifyConfig(new_tokens=new_tokens, ppl_tokens=ppl_tokens)
+    if decode_steps < 0:
+        raise FirstlightError(f"--decode-steps {decode_steps} is negative; give 0 (no decode steps) or more")
+    cfg = VerifyConfig(new_tokens=new_tokens, ppl_tokens=ppl_tokens, decode_steps=decode_steps, batch_path=batch_path)
     ours = None
     if quantization != "none":
         from firstlight.quant import apply_quantization

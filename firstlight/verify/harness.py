@@ -31,10 +31,14 @@ from firstlight.models.hf_names import hf_module_name, hf_name
 from firstlight.models.loader import load_config, load_model, load_tokenizer
 from firstlight.targets.base import Target, TargetError
 from firstlight.verify import units as U
+from firstlight.verify.longrange import perplexity_check
 from firstlight.verify.metrics import compare
+from firstlight.verify.nonfinite import first_nonfinite, json_safe
 from firstlight.verify.oplevel import culprit, replay
 from firstlight.verify.parity import ppl_token_count, teacher_forced
+from firstlight.verify.paths import PathRun, RefSeq, StepRunner, isolate_step, run_path, serve_plan
 from firstlight.verify.refcache import ContinuationCache, ReferenceCacheWarning, continuation_key
+from firstlight.verify.tables import ReferenceTables, Tables, compare_scales, compare_tables
 from firstlight.verify.tolerance import TolerancePolicy
 
 DEFAULT_PROMPT = "The capital of France is Paris. The quick brown fox jumps over the lazy dog. To be, or not to be,"
@@ -48,6 +52,10 @@ class VerifyConfig:
     ppl_window: int = 128
     ppl_stride: int = 64
     seed: int = 0
+    decode_steps: int = 2  # serving path: chunked prefill, then this many one-token steps through the KV cache
+    batch_path: bool = True  # serving path over 3 prompts of different lengths (False: the sequence alone)
+    block_size: int = 16  # KV-cache block size of the serving paths (the engine's default)
+    chunk_size: int = 20  # chunked-prefill chunk (not a multiple of block_size: chunks straddle block edges)
 
 
 @dataclass
@@ -70,9 +78,14 @@ class VerifyResult:
     reasons: list[str] = field(default_factory=list)
     isolated_reused: list[str] = field(default_factory=list)  # units whose propagated input was bit-exact
     reference_continuation: dict[str, Any] = field(default_factory=dict)  # source: generated | cache | none
+    tables: list[dict[str, Any]] = field(default_factory=list)  # rotary tables, masks, scales vs the reference's
+    paths: dict[str, Any] = field(default_factory=dict)  # serving paths: decode, batch (paths.py)
+    long_range: dict[str, Any] | None = None  # where a long-range-only divergence starts, which unit shows it
+    first_nonfinite: dict[str, Any] | None = None  # where the first NaN / inf appears (unit, op)
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        """Strict JSON: non-finite floats become null."""
+        return json_safe(dict(self.__dict__))
 
 
 class _Timer:
@@ -163,9 +176,14 @@ def _greedy(ref: nn.Module, ids: list[int], new_tokens: int) -> list[int]:
 def _reference_forward(ref: nn.Module, tokens: list[int], num_layers: int, mid: str,
                        sub_inputs: bool) -> dict[str, torch.Tensor]:
     """One forward over `tokens` with boundary hooks: one fp32 tensor per boundary, and the logits."""
+    from transformers import DynamicCache
+
     store: dict[str, torch.Tensor] = {}
+    cache = DynamicCache()  # no config: every layer keeps every key (the serving paths read them all)
     with U.capture(ref, store, hf_module_name, layers=num_layers, mid_norm=mid, sub_inputs=sub_inputs):
-        store["logits"] = ref(torch.tensor([tokens])).logits.detach().float()
+        store["logits"] = ref(torch.tensor([tokens]), cache=cache, use_cache=True).logits.detach().float()
+    for i, layer in enumerate(cache.layers[:num_layers]):  # K after norm and rotary, V: [1, Hkv, S, D]
+        store[f"kv.{i}.k"], store[f"kv.{i}.v"] = layer.keys.detach().float(), layer.values.detach().float()
     return store
 
 
@@ -269,7 +287,7 @@ def run_verify(
                                                          sub_inputs=not target.supports_hooks, cache=reference_cache)
     seq = torch.tensor([tokens])
     positions = torch.arange(seq.shape[1])[None]
-    masks = tmodel.masks(positions, positions)
+    dtype = target.dtype
 
     with timer("compile"):
         try:
@@ -279,21 +297,33 @@ def run_verify(
         except Exception as e:
             raise TargetError(f"target '{target_spec}' failed to prepare the model: {type(e).__name__}: {e}") from e
         comp = _Compiled(target, target_spec)
+        runner = StepRunner(comp.compile, tmodel, dtype)
         whole = comp.compile(U.logits_unit(tmodel), (seq,))
         embed_fn = comp.compile(U.embed_unit(tmodel), (seq,))
-        rope_t = tmodel.rope_tables(positions, target.dtype)
-        x0 = ref_caps["embed"].to(target.dtype)
+        ref_tables = ReferenceTables(ref, list(cfg.layer_types))
+        r_tab32 = ref_tables.tables(positions, positions)
+        r_tab = r_tab32.cast(dtype)  # the isolated units' tables: the reference's, in the target dtype
+        x0 = ref_caps["embed"].to(dtype)
         layer_fns = []
         for i in range(num_layers):
-            t = tmodel.layers[i].layer_type
-            layer_fns.append(comp.compile(U.layer_unit(tmodel, i), (x0, *rope_t[t], masks[t])))
+            layer_fns.append(comp.compile(U.layer_unit(tmodel, i), (x0, *r_tab.inputs(tmodel.layers[i].layer_type))))
         head_fn = comp.compile(U.head_unit(tmodel), (x0,))
         # Compiled units hide the inside of a layer: attention and MLP get units of their own.
         sub_fns = None if target.supports_hooks else [
-            (comp.compile(U.attention_unit(tmodel, i), (x0, *rope_t[tmodel.layers[i].layer_type],
-                                                        masks[tmodel.layers[i].layer_type])),
+            (comp.compile(U.attention_unit(tmodel, i), (x0, *r_tab.inputs(tmodel.layers[i].layer_type))),
              comp.compile(U.mlp_unit(tmodel, i), (x0,)))
             for i in range(num_layers)]
+
+    with timer("tables"):
+        t_tab = runner.tables(positions, positions)  # what the target builds, and feeds its own layers
+        table_rows = compare_tables(t_tab, r_tab32, positions, positions, dtype, policy, "sequence")
+        span = max(seq.shape[1], cfg_v.ppl_window if cfg_v.ppl_tokens and ppl_ids else 0)
+        if span > seq.shape[1]:  # every position perplexity feeds too
+            long_pos = torch.arange(span)[None]
+            table_rows += compare_tables(runner.tables(long_pos, long_pos), ref_tables.tables(long_pos, long_pos),
+                                         long_pos, long_pos, dtype, policy, f"positions 0..{span - 1}")
+        table_rows.append(compare_scales(tmodel, ref))
+    bad_table = next((r for r in table_rows if not r["ok"]), None)
 
     prop: dict[str, torch.Tensor] = {}
     head_logits = None
@@ -306,8 +336,7 @@ def run_verify(
             x = embed_fn(seq)
             prop["embed"] = x.float()
             for i, fn in enumerate(layer_fns):
-                t = tmodel.layers[i].layer_type
-                x = fn(x, *rope_t[t], masks[t])
+                x = fn(x, *t_tab.inputs(tmodel.layers[i].layer_type))
                 prop[f"layers.{i}"] = x.float()
             h, head_logits = head_fn(x)
             prop["norm"] = h.float()
@@ -315,15 +344,16 @@ def run_verify(
 
     iso: dict[str, torch.Tensor] = {}
     with timer("isolate"):
-        reused = _isolate(tmodel, embed_fn, seq, layer_fns, head_fn, ref_caps, prop, head_logits, iso, rope_t, masks, target.dtype,
-                          mid if target.supports_hooks else None)
+        same = {t: t_tab.same_as(r_tab, t) for t in r_tab.rope}
+        reused = _isolate(tmodel, embed_fn, seq, layer_fns, head_fn, ref_caps, prop, head_logits, iso, r_tab, same,
+                          dtype, mid if target.supports_hooks else None)
         if sub_fns is not None:
-            _isolate_sub_layers(tmodel, sub_fns, ref_caps, iso, rope_t, masks, target.dtype)
+            _isolate_sub_layers(tmodel, sub_fns, ref_caps, iso, r_tab, dtype)
 
     with timer("compare"):
         names = U.boundary_names(tmodel, resid_mid=target.supports_hooks)
         boundaries = _compare_boundaries(names, iso, prop,
-                                         ref_caps, target.dtype, policy)
+                                         ref_caps, dtype, policy)
     # The first boundary over tolerance (sub-layer ones too: a fault a later norm hides is still a
     # fault), reported as the unit that contains it.
     bad = next((b["name"] for b in boundaries if "isolated" in b and not b["isolated"]["ok"]), None)
@@ -341,35 +371,88 @@ def run_verify(
     first = None
     if failing is not None:
         with timer("localize"):
-            first, ops, found = _localize(failing, tmodel, ref, cfg, ref_caps, seq, positions, masks, target, policy)
+            first, ops, found = _localize(failing, tmodel, ref, cfg, ref_caps, seq, r_tab32, target, policy)
+    elif bad_table is not None:
+        first = {"unit": "tables", "table": bad_table["name"], "path": bad_table["path"],
+                 "first_bad_position": bad_table.get("first_bad_position"),
+                 "note": "the target's table differs from the reference's; every unit is within tolerance on the "
+                         "reference's table, so the error is the table's, not how the target compiled a unit"}
+
+    with timer("paths"):
+        paths = _serving_paths(ref, tokens, ref_caps, prop["logits"][0], comp, tmodel, runner, ref_tables, cfg, cfg_v,
+                               policy, num_layers, mid, not target.supports_hooks)
+    if first is None:
+        for name, (rec, loc_args) in paths.items():
+            if loc_args is None:
+                if first is None and rec.get("localization", {}).get("failing_unit") == "tables":
+                    t = rec["localization"]["table"]
+                    first = {"unit": "tables", "table": t["name"], "path": name, "step": rec["first_failing_step"],
+                             "first_bad_position": t.get("first_bad_position"), "first_bad": t.get("first_bad"),
+                             "note": f"the table the target built for the {name} path's step differs from the "
+                                     "reference's; the step is not replayed op by op"}
+                continue
+            with timer("localize"):  # op replay for the first failing path only (its culprit is the result's)
+                loc = _localize_step(*loc_args, ref=ref, target=target, policy=policy, replay_ops=first is None)
+            rec["localization"] = loc["summary"]
+            if first is None:
+                first, ops, found = loc["first"], loc["ops"], loc["culprit"]
+    path_records = {name: rec for name, (rec, _) in paths.items()}
+
+    long_range = None
+    if ppl is not None and not ppl["ok"] and ppl.get("first_divergence") and failing is None:
+        with timer("long_range"):
+            long_range = _long_range(ppl["first_divergence"], ppl_ids, ref, comp, runner, ref_tables, tmodel, cfg,
+                                     target, policy, mid)
 
     reasons = list(parity.reasons)
+    if bad_table is not None:
+        where = f" from position {bad_table['first_bad_position']}" if bad_table.get("first_bad_position") is not None else ""
+        reasons.insert(0, f"table {bad_table['name']} ({bad_table['path']}) differs from the reference's{where}")
     if failing is not None:
         reasons.insert(0, f"{bad}: isolated error over tolerance")
-    if ppl is not None and not ppl["ok"]:
-        reasons.append(f"perplexity ratio {ppl['ratio']:.4f} > {policy.logits.max_ppl_ratio}")
+    if ppl is not None and not ppl["ratio_ok"]:
+        r = ppl["ratio"]
+        reasons.append(f"perplexity ratio {r:.4f} outside [{ppl['allowed_ratio'][0]:.4f}, {ppl['allowed_ratio'][1]:.4f}] "
+                       f"({ppl['direction']} than the reference's)" if r is not None
+                       else "perplexity is not finite on the target")
+    if ppl is not None and ppl["ratio_ok"] and not ppl["kl_ok"]:
+        reasons.append(f"perplexity text: mean KL {ppl['mean_kl']} > {ppl['kl_limit']}")
+    if long_range is not None and long_range.get("first_unit"):
+        reasons.append(f"long range: divergence starts at position {long_range['first_position']} of window "
+                       f"{long_range['window']}; first shown by {long_range['first_unit']} ({long_range['mode']})")
+    for name, rec in path_records.items():
+        if not rec["ok"]:
+            reasons.append(_path_reason(name, rec))
     rep = target.report().to_dict()
-    return VerifyResult(
+    result = VerifyResult(
         verdict="match" if not reasons else "mismatch",
-        model=str(model_path), target=target_spec, dtype=str(target.dtype).removeprefix("torch."),
+        model=str(model_path), target=target_spec, dtype=str(dtype).removeprefix("torch."),
         tokens=tokens, prompt_len=len(prompt_ids), boundaries=boundaries, first_failing=first,
         ops=ops, culprit=found, parity=parity.to_dict(), perplexity=ppl, target_report=rep,
         tolerance=policy.to_dict(), timings_s=timer.times, reasons=reasons, isolated_reused=reused,
-        reference_continuation=continuation,
+        reference_continuation=continuation, tables=table_rows, paths=path_records, long_range=long_range,
     )
+    result.first_nonfinite = first_nonfinite(result)
+    if result.first_nonfinite is not None:
+        nf = result.first_nonfinite
+        reasons.insert(0, f"first non-finite value: {nf['where']}" + (f", op {nf['op']}" if nf.get("op") else ""))
+        result.verdict = "mismatch"
+    return result
 
 
 def _isolate(tmodel: nn.Module, embed_fn: Callable[..., Any], seq: torch.Tensor, layer_fns: list[Callable[..., Any]],
              head_fn: Callable[..., Any],
              ref_caps: dict[str, torch.Tensor], prop: dict[str, torch.Tensor], head_logits: torch.Tensor | None,
-             iso: dict[str, torch.Tensor], rope_t: dict[str, Any], masks: dict[str, Any], dtype: torch.dtype,
+             iso: dict[str, torch.Tensor], r_tab: Tables, same_tables: dict[str, bool], dtype: torch.dtype,
              mid: str | None) -> list[str]:
-    """Every unit on the target with the reference's input → `iso`; the units it did not need to run.
+    """Every unit on the target with the reference's input and tables → `iso`; the units it did not need to run.
 
     A unit whose propagated input has the same bits as the reference input (cast to the target
-    dtype) got exactly the isolated input already, so its propagated outputs are reused: units are
-    deterministic (a contract of Target), and a target with hooks runs the same modules in the
-    whole model as in its units. So only the units from the first divergence on run again.
+    dtype), and whose layer type's tables as the target built them are the reference's bits
+    (`same_tables`), got exactly the isolated inputs already, so its propagated outputs are reused:
+    units are deterministic (a contract of Target), and a target with hooks runs the same modules
+    (and tables) in the whole model as in its units. So only the units from the first divergence on
+    run again.
     """
     n = len(layer_fns)
     sub = ("self_attn", "resid_mid", "mlp") if mid is not None else ()
@@ -382,12 +465,13 @@ def _isolate(tmodel: nn.Module, embed_fn: Callable[..., Any], seq: torch.Tensor,
             x_in = (ref_caps["embed"] if i == 0 else ref_caps[f"layers.{i - 1}"]).to(dtype)
             p_in = embed if i == 0 else prop.get(f"layers.{i - 1}")
             names = [f"layers.{i}", *(f"layers.{i}.{s}" for s in sub)]
-            if p_in is not None and all(k in prop for k in names) and torch.equal(p_in, x_in.float()):
+            t = tmodel.layers[i].layer_type
+            if (p_in is not None and same_tables[t] and all(k in prop for k in names)
+                    and torch.equal(p_in, x_in.float())):
                 iso.update({k: prop[k] for k in names})
                 reused.append(f"layers.{i}")
                 continue
-            t = tmodel.layers[i].layer_type
-            iso[f"layers.{i}"] = fn(x_in, *rope_t[t], masks[t]).float()
+            iso[f"layers.{i}"] = fn(x_in, *r_tab.inputs(t)).float()
         x_in = ref_caps[f"layers.{n - 1}"].to(dtype)
         logits = prop["logits"] if mid is not None else head_logits
         p_in = prop.get(f"layers.{n - 1}")
@@ -402,13 +486,13 @@ def _isolate(tmodel: nn.Module, embed_fn: Callable[..., Any], seq: torch.Tensor,
 
 
 def _isolate_sub_layers(tmodel: nn.Module, sub_fns: list[tuple[Callable[..., Any], Callable[..., Any]]],
-                        ref_caps: dict[str, torch.Tensor], iso: dict[str, torch.Tensor], rope_t: dict[str, Any],
-                        masks: dict[str, Any], dtype: torch.dtype) -> None:
+                        ref_caps: dict[str, torch.Tensor], iso: dict[str, torch.Tensor], r_tab: Tables,
+                        dtype: torch.dtype) -> None:
     """Attention and MLP units of every layer on the reference's input to that module → `iso`."""
     for i, (attn_fn, mlp_fn) in enumerate(sub_fns):
         t = tmodel.layers[i].layer_type
         h = ref_caps[f"layers.{i}.self_attn.input"].to(dtype)
-        iso[f"layers.{i}.self_attn"] = attn_fn(h, *rope_t[t], masks[t]).float()
+        iso[f"layers.{i}.self_attn"] = attn_fn(h, *r_tab.inputs(t)).float()
         iso[f"layers.{i}.mlp"] = mlp_fn(ref_caps[f"layers.{i}.mlp.input"].to(dtype)).float()
 
 
@@ -439,25 +523,20 @@ class _null:
 
 def _perplexity(ref: nn.Module, comp: _Compiled, tmodel: nn.Module, ids: list[int], cfg_v: VerifyConfig,
                 policy: TolerancePolicy) -> dict[str, Any] | None:
-    from firstlight.eval.ppl import perplexity
-
+    """Perplexity of both sides through the target's compiled `logits` unit (longrange.py)."""
     n = ppl_token_count(len(ids), cfg_v.ppl_window, cfg_v.ppl_stride, cfg_v.ppl_tokens)
     if n == 0:
         return None
     ids = ids[:n]
     window = torch.tensor([ids[: cfg_v.ppl_window]])
     fn = comp.compile(U.logits_unit(tmodel), (window,))
-    r = perplexity(lambda x: ref(x).logits, ids, cfg_v.ppl_window, cfg_v.ppl_stride)
-    t = perplexity(fn, ids, cfg_v.ppl_window, cfg_v.ppl_stride)
-    ratio = t.perplexity / r.perplexity
-    return {"num_tokens": r.num_tokens, "window": cfg_v.ppl_window, "stride": cfg_v.ppl_stride,
-            "reference": r.perplexity, "target": t.perplexity, "ratio": ratio,
-            "ok": ratio <= policy.logits.max_ppl_ratio}
+    return perplexity_check(lambda x: ref(x).logits, fn, ids, cfg_v.ppl_window, cfg_v.ppl_stride, policy.logits)
 
 
 def _localize(failing: str, tmodel: nn.Module, ref: nn.Module, cfg: ModelConfig, ref_caps: dict[str, torch.Tensor],
-              seq: torch.Tensor, positions: torch.Tensor, masks: dict[str, Any], target: Target,
+              seq: torch.Tensor, r_tab32: Tables, target: Target,
               policy: TolerancePolicy) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
+    """The failing unit replayed op by op on the reference's inputs and tables (fp32 reference side)."""
     n = cfg.num_layers
     dtype = target.dtype
     if failing == "embed":
@@ -472,9 +551,13 @@ def _localize(failing: str, tmodel: nn.Module, ref: nn.Module, cfg: ModelConfig,
         unit_t = U.layer_unit(tmodel, i)
         t = tmodel.layers[i].layer_type
         x = ref_caps["embed"] if i == 0 else ref_caps[f"layers.{i - 1}"]
-        rope_t = tmodel.rope_tables(positions, dtype)[t]
-        rope_r = tmodel.rope_tables(positions, torch.float32)[t]  # inv_freq is fp32 in every dtype
-        inputs_t, inputs_r = (x.to(dtype), *rope_t, masks[t]), (x, *rope_r, masks[t])
+        inputs_t, inputs_r = (x.to(dtype), *r_tab32.cast(dtype).inputs(t)), (x, *r_tab32.inputs(t))
+    return _replay(failing, unit_t, inputs_t, inputs_r, ref, target, policy)
+
+
+def _replay(failing: str, unit_t: U.Unit, inputs_t: tuple[torch.Tensor, ...], inputs_r: tuple[torch.Tensor, ...],
+            ref: nn.Module, target: Target,
+            policy: TolerancePolicy) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
     records = replay(unit_t, reference_params(unit_t, ref), inputs_t, inputs_r, target, policy)
     first_prop = next((r for r in records if not r.propagated.ok), None)
     found = culprit(records)
@@ -484,3 +567,132 @@ def _localize(failing: str, tmodel: nn.Module, ref: nn.Module, cfg: ModelConfig,
         first["note"] = ("no single op is over tolerance when replayed op by op in the target's numerics: "
                          "the error comes from how the target compiled the unit (fusion, reordering), not one op")
     return first, [r.to_dict() for r in records], found.to_dict() if found else None
+
+
+# ---- serving paths (paths.py) ---------------------------------------------------------------------
+
+def _serving_paths(ref: nn.Module, tokens: list[int], ref_caps: dict[str, torch.Tensor], full_logits: torch.Tensor,
+                   comp: _Compiled, tmodel: nn.Module, runner: StepRunner, ref_tables: ReferenceTables,
+                   cfg: ModelConfig, cfg_v: VerifyConfig, policy: TolerancePolicy, num_layers: int, mid: str,
+                   sub_inputs: bool) -> dict[str, tuple[dict[str, Any], tuple | None]]:
+    """Run the decode and batch paths; per path (its record, the arguments to localize its failing step)."""
+    out: dict[str, tuple[dict[str, Any], tuple | None]] = {}
+    seq_len = len(tokens)
+    pool_shape = (num_layers, cfg.num_kv_heads, cfg.head_dim)
+    main = RefSeq(tokens, ref_caps, _kv_of(ref_caps, num_layers), full_logits)
+    refs, rows, lengths = [main], [0], [seq_len]
+    num_decode = max(0, min(cfg_v.decode_steps, seq_len // 2 - 2))
+    if cfg_v.batch_path and seq_len >= 12:
+        # Rows of different lengths and content: the sequence, a suffix of it (its own reference
+        # forward, from position 0), a prefix of it (the sequence's reference rows).
+        suffix = tokens[seq_len // 3:]
+        caps = _reference_forward(ref, suffix, num_layers, mid, sub_inputs)
+        ids = torch.tensor([suffix])
+        own = comp.compile(U.logits_unit(tmodel), (ids,))(ids)[0].float()  # the target's full forward
+        refs.append(RefSeq(suffix, caps, _kv_of(caps, num_layers), own))
+        rows, lengths = [0, 1, 0], [seq_len, len(suffix), seq_len // 2]
+    plans = [("serve", *serve_plan(refs, rows, lengths, num_decode, cfg_v.chunk_size, cfg_v.block_size))]
+    if not cfg_v.decode_steps and not cfg_v.batch_path:
+        plans = []
+    for name, layout, steps in plans:
+        run = run_path(name, layout, steps, refs, runner, ref_tables, pool_shape, policy)
+        loc = None
+        k = run.failing_step
+        if k is not None and run.record["steps"][k].get("tables_ok", True):
+            loc = (run, k, refs, runner, ref_tables)
+        elif k is not None:  # the step's tables are wrong: blamed on the table, no op replay
+            run.record["localization"] = {"step": k, **run.steps[k].describe(), "failing_unit": "tables",
+                                          "table": run.record["first_bad_table"]}
+        out[name] = (run.record, loc)
+    return out
+
+
+def _kv_of(caps: dict[str, torch.Tensor], num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(caps[f"kv.{i}.k"], caps[f"kv.{i}.v"]) for i in range(num_layers)]
+
+
+def _localize_step(run: PathRun, k: int, refs: list[RefSeq], runner: StepRunner, ref_tables: ReferenceTables, *,
+                   ref: nn.Module, target: Target, policy: TolerancePolicy, replay_ops: bool = True) -> dict[str, Any]:
+    """The failing step's units in isolation, then (`replay_ops`) the first failing one op by op."""
+    iso = isolate_step(run, k, refs, runner, ref_tables, policy)
+    step = run.steps[k]
+    summary: dict[str, Any] = {"step": k, **step.describe(), "units": iso.units, "failing_unit": iso.failing}
+    first: dict[str, Any] | None = None
+    ops: list[dict[str, Any]] = []
+    found = None
+    if iso.replay_unit is not None and iso.failing is not None and not replay_ops:
+        first = {"unit": iso.failing, "path": run.name, "step": k, "phase": step.phase}
+    elif iso.replay_unit is not None and iso.failing is not None:
+        first, ops, found = _replay(iso.failing, iso.replay_unit, iso.inputs_t, iso.inputs_r, ref, target, policy)
+        first.update(path=run.name, step=k, phase=step.phase, positions=step.describe()["positions"])
+        summary["culprit"] = found
+    else:
+        first = {"unit": None, "path": run.name, "step": k, "phase": step.phase,
+                 "note": "every unit of the failing step is within tolerance on the reference's inputs, tables "
+                         "and K/V: the error comes from the cache the target built in earlier steps"}
+    return {"summary": summary, "first": first, "ops": ops, "culprit": found}
+
+
+def _path_reason(name: str, rec: dict[str, Any]) -> str:
+    k = rec["first_failing_step"]
+    if k is None:
+        kv = rec["kv_cache"]["first_bad"]
+        return f"{name} path: the K/V the target cached differs from the reference's (layer {kv['layer']}, {kv['part']})"
+    st = rec["steps"][k]
+    fb = st.get("first_bad") or {}
+    where = f" at row {fb['row']}, position {fb['position']}" if fb else ""
+    own = st["vs_full_forward"]
+    what = "its tables differ from the reference's" if not st.get("tables_ok", True) else (
+        f"max row mean KL {st['max_row_mean_kl']}, {st['num_clear_flips']} clear top-1 flip(s), rel L2 "
+        f"{own['rel_l2']} against the target's own full forward{'' if own['ok'] else ' (over tolerance)'}")
+    return f"{name} path: step {k} ({st['phase']}, positions {st['positions']}) fails{where}: {what}"
+
+
+# ---- long-range divergence ------------------------------------------------------------------------
+
+def _long_range(div: dict[str, Any], ids: list[int], ref: nn.Module, comp: _Compiled, runner: StepRunner,
+                ref_tables: ReferenceTables, tmodel: nn.Module, cfg: ModelConfig, target: Target,
+                policy: TolerancePolicy, mid: str) -> dict[str, Any]:
+    """Only a long-range check failed: re-run the window where divergence starts, unit by unit, and
+    name the first table or unit whose output differs from the reference's at positions >= start."""
+    begin, end = div["window"]
+    start = div["position"]
+    dtype = target.dtype
+    toks = ids[begin:end]
+    seq = torch.tensor([toks])
+    positions = torch.arange(len(toks))[None]
+    caps = _reference_forward(ref, toks, cfg.num_layers, mid, False)
+    t_tab = runner.tables(positions, positions)
+    r_tab32 = ref_tables.tables(positions, positions)
+    r_tab = r_tab32.cast(dtype)
+    late = positions[:, start:]
+    rows: list[dict[str, Any]] = []
+    for row in compare_tables(Tables({t: tuple(x[:, :, start:] for x in c) for t, c in t_tab.rope.items()},
+                                     {t: m[:, :, start:] for t, m in t_tab.masks.items()}),
+                              Tables({t: tuple(x[:, :, start:] for x in c) for t, c in r_tab32.rope.items()},
+                                     {t: m[:, :, start:] for t, m in r_tab32.masks.items()}),
+                              late, positions, dtype, policy, f"window {begin}..{end}"):
+        rows.append({"name": row["name"], "mode": "table", "ok": row["ok"], "rel_l2": row.get("rel_l2")})
+    # propagated (the target's own tables) and isolated (the reference's inputs and tables)
+    x_p = comp.compile(U.embed_unit(tmodel), (seq,))(seq)
+    x0 = caps["embed"].to(dtype)
+
+    def late_cmp(name: str, out: torch.Tensor) -> dict[str, Any]:
+        return compare(out.float()[:, start:], caps[name][:, start:], dtype, policy.for_tensor(name)).to_dict()
+
+    rows.append({"name": "embed", "mode": "isolated", **late_cmp("embed", x_p)})
+    for i in range(cfg.num_layers):
+        t = tmodel.layers[i].layer_type
+        fn = comp.compile(U.layer_unit(tmodel, i), (x0, *r_tab.inputs(t)))
+        x_in = (caps["embed"] if i == 0 else caps[f"layers.{i - 1}"]).to(dtype)
+        rows.append({"name": f"layers.{i}", "mode": "isolated", **late_cmp(f"layers.{i}", fn(x_in, *r_tab.inputs(t)))})
+        x_p = fn(x_p, *t_tab.inputs(t))
+        rows.append({"name": f"layers.{i}", "mode": "propagated", **late_cmp(f"layers.{i}", x_p)})
+    h, logits = comp.compile(U.head_unit(tmodel), (x0,))(caps[f"layers.{cfg.num_layers - 1}"].to(dtype))
+    rows.append({"name": "logits", "mode": "isolated", **late_cmp("logits", logits)})
+    first = next((r for r in rows if not r["ok"] and r["mode"] in ("table", "isolated")), None)
+    first = first or next((r for r in rows if not r["ok"]), None)
+    return {"check": "perplexity", "window": [begin, end], "first_position": start, "token_index": div["token_index"],
+            "first_unit": None if first is None else first["name"], "mode": None if first is None else first["mode"],
+            "rows": rows,
+            "note": None if first is not None else "no unit or table differs at those positions when re-run alone"}

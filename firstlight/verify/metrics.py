@@ -4,6 +4,8 @@ max_abs   max |t - r|                      rel_l2   ||t - r|| / ||r||
 cosine    <t, r> / (||t|| ||r||)           pcc      Pearson correlation of the flattened tensors
 max_ulp   max distance in units in the last place of the target dtype (r rounded to that dtype)
 frac_beyond  fraction of elements with |t - r| > atol_rms * rms(r) + rtol * |r|
+nonfinite    elements that are NaN or inf in the target where the reference is finite (where a
+             NaN is born: the report names the first tensor and op with nonfinite > 0)
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class TensorMetrics:
     frac_beyond: float
     numel: int
     ok: bool
+    nonfinite: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
@@ -151,5 +154,6 @@ def compare(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, tol: Toler
     with np.errstate(invalid="ignore"):
         num_beyond = int(np.count_nonzero(abs_diff > bound)) + (0 if finite else int(np.count_nonzero(np.isnan(diff))))
     frac = num_beyond / n
-    ok = frac <= tol.max_frac_beyond and rel_l2 <= tol.max_rel_l2
-    return TensorMetrics(max_abs, rel_l2, cosine, pcc, max_ulp, frac, n, ok)
+    ok = frac <= tol.max_frac_beyond and rel_l2 <= tol.max_rel_l2  # False for a NaN rel_l2
+    nonfinite = 0 if finite else int(np.count_nonzero(~np.isfinite(t) & np.isfinite(r)))
+    return TensorMetrics(max_abs, rel_l2, cosine, pcc, max_ulp, frac, n, ok, nonfinite)

@@ -189,7 +189,8 @@ def replay(
             iso_kwargs = _map(node.kwargs, as_target)
             name = op_name(node.target)
             module = _module_of(node, unit_t)
-            site = OpSite(module=module, layer=layer_of(module), nth=counts[(module, name)], op=name)
+            site = OpSite(module=module, layer=layer_of(module), nth=counts[(module, name)], op=name,
+                          phase=getattr(unit_t, "phase", "prefill"))
             counts[(module, name)] += 1
             ref_out = node.target(*ref_args, **ref_kwargs)
             tgt_out = target.run_op(node.target, tgt_args, tgt_kwargs, site)

@@ -30,6 +30,7 @@ class ParityResult:
     first_divergence: dict[str, Any] | None  # free-running greedy, in the generated part
     ok: bool
     reasons: list[str]
+    nonfinite_positions: int = 0  # positions whose target logits hold a NaN / inf
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -64,7 +65,11 @@ def teacher_forced(
     hard = [f for f in flips if not f["near_tie"]]
     if hard:
         reasons.append(f"top-1 differs at {len(hard)} position(s) with a clear reference margin (first: {hard[0]['position']})")
-    if kl.mean().item() > tol.max_mean_kl:
+    bad_rows = (~torch.isfinite(tgt_logits)).any(-1)
+    if bad_rows.any():
+        reasons.append(f"target logits are not finite at {int(bad_rows.sum())} position(s) "
+                       f"(first: {int(bad_rows.nonzero()[0])})")
+    elif not kl.mean().item() <= tol.max_mean_kl:
         reasons.append(f"mean KL {kl.mean().item():.3g} > {tol.max_mean_kl:.3g}")
     return ParityResult(
         num_positions=seq,
@@ -78,6 +83,7 @@ def teacher_forced(
         first_divergence=first,
         ok=not reasons,
         reasons=reasons,
+        nonfinite_positions=int(bad_rows.sum()),
     )
 
 

@@ -1,4 +1,7 @@
-"""Reports of a verification: the rich terminal summary, result.json + index.html with the plot."""
+"""Reports of a verification: the rich terminal summary, result.json + index.html with the plot, summary.md.
+
+Every number may be None (a non-finite value made strict JSON, see nonfinite.py): nothing here
+formats a number without `_fmt`."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from firstlight.core.report import environment_manifest, write_report
+from firstlight.verify.nonfinite import json_safe
 
 
 def _fmt(v: Any) -> str:
@@ -45,9 +49,11 @@ def print_summary(result: dict[str, Any], console: Console | None = None) -> Non
                       f"(cache: {cont['cache']})", highlight=False)
     p = result["parity"]
     div = p["first_divergence"]
+    kl = p["mean_kl"]
     console.print(
-        f"logits (teacher-forced, {p['num_positions']} positions): top-1 {p['top1_agreement']:.4f}, "
-        f"top-k overlap {p['topk_overlap']:.4f}, mean KL {max(p['mean_kl'], 0.0):.3g}, max |logprob err| {p['max_logprob_error']:.3g}",
+        f"logits (teacher-forced, {p['num_positions']} positions): top-1 {_fmt(p['top1_agreement'])}, "
+        f"top-k overlap {_fmt(p['topk_overlap'])}, mean KL {_fmt(max(kl, 0.0) if kl is not None else None)}, "
+        f"max |logprob err| {_fmt(p['max_logprob_error'])}",
         highlight=False,
     )
     if div is None:
@@ -55,19 +61,30 @@ def print_summary(result: dict[str, Any], console: Console | None = None) -> Non
     else:
         kind = "near-tie (reported, not failed)" if div["near_tie"] else "clear margin"
         console.print(f"greedy: first divergence at generated token {div['generated_index']} "
-                      f"(ref margin {div['ref_margin']:.3g}: {kind})", highlight=False)
+                      f"(ref margin {_fmt(div['ref_margin'])}: {kind})", highlight=False)
     if result.get("perplexity"):
         q = result["perplexity"]
-        console.print(f"perplexity ({q['num_tokens']} tokens): reference {q['reference']:.4f}, "
-                      f"target {q['target']:.4f}, ratio {q['ratio']:.5f}", highlight=False)
+        console.print(f"perplexity ({q['num_tokens']} tokens, target's logits unit): reference {_fmt(q['reference'])}, "
+                      f"target {_fmt(q['target'])}, ratio {_fmt(q['ratio'])} (allowed "
+                      f"{_fmt(q['allowed_ratio'][0])}..{_fmt(q['allowed_ratio'][1])}), mean KL {_fmt(q['mean_kl'])}",
+                      highlight=False)
+    for line in serving_lines(result):
+        console.print(line, highlight=False)
     c = result.get("culprit")
+    ff = result.get("first_failing") or {}
+    where = f" ({ff['path']} path, step {ff['step']}, {ff.get('phase', '')})" if ff.get("path") and "step" in ff else ""
     if c:
-        console.print(f"[bold red]culprit:[/] {c['op']} in {c['module']} (layer {c['layer']}) at {c['source']}\n"
-                      f"    {c['code']}\n    isolated rel L2 {c['isolated']['rel_l2']:.3g}, "
-                      f"max abs {c['isolated']['max_abs']:.3g}", highlight=False)
-    elif result.get("first_failing"):
-        console.print(f"[bold red]failing unit:[/] {result['first_failing']['unit']}: "
-                      f"{result['first_failing'].get('note', '')}", highlight=False)
+        iso = c["isolated"]
+        console.print(f"[bold red]culprit{where}:[/] {c['op']} in {c['module']} (layer {c['layer']}) at {c['source']}\n"
+                      f"    {c['code']}\n    isolated rel L2 {_fmt(iso['rel_l2'])}, "
+                      f"max abs {_fmt(iso['max_abs'])}", highlight=False)
+    elif ff:
+        console.print(f"[bold red]failing unit{where}:[/] {ff.get('unit')}"
+                      f"{' ' + ff['table'] if ff.get('table') else ''}: {ff.get('note', '')}", highlight=False)
+    nf = result.get("first_nonfinite")
+    if nf:
+        op = f", op {nf['op']} in {nf.get('module')} at {nf.get('source')}" if nf.get("op") else ""
+        console.print(f"[bold red]first non-finite value:[/] {nf['where']}{op}", highlight=False)
     for r in result["reasons"]:
         console.print(f"  - {r}", highlight=False)
     pred = (result.get("target_report") or {}).get("details", {}).get("predicted")
@@ -77,6 +94,51 @@ def print_summary(result: dict[str, Any], console: Console | None = None) -> Non
                       f"{pred['decode_tokens_per_s']:.1f} tokens/s (weights {pred['weight_bytes'] / 1e6:.1f} MB"
                       + (f", host fallback {pred['host_fallback_ms_per_step']:.3g} ms/step" if pred.get(
                           "host_fallback_ms_per_step") else "") + ")", highlight=False)
+
+
+def serving_lines(result: dict[str, Any]) -> list[str]:
+    """One line per serving path, the tables and a long-range finding (terminal and markdown)."""
+    lines = []
+    for name, rec in (result.get("paths") or {}).items():
+        steps = rec["steps"]
+        worst = max((s["max_row_mean_kl"] for s in steps if s["max_row_mean_kl"] is not None), default=None)
+        state = "ok" if rec["ok"] else "FAIL"
+        lines.append(f"{name} path ({len(steps)} steps, block {rec['block_size']}): {state}; worst row mean KL "
+                     f"{_fmt(worst)}, K/V cache max rel L2 {_fmt(rec['kv_cache']['max_rel_l2'])}")
+        loc = rec.get("localization")
+        if loc:
+            lines.append(f"    first failing step {loc['step']} ({loc['phase']}, positions {loc['positions']}): "
+                         f"unit {loc.get('failing_unit')}")
+    bad = [t for t in result.get("tables") or [] if not t["ok"]]
+    if result.get("tables"):
+        lines.append(f"tables (rotary, masks, scales): {len(result['tables'])} compared, "
+                     + ("all match the reference's" if not bad else
+                        f"{len(bad)} differ; first {bad[0]['name']} ({bad[0]['path']}) from position "
+                        f"{bad[0].get('first_bad_position')}"))
+    lr = result.get("long_range")
+    if lr:
+        lines.append(f"long range: divergence starts at position {lr['first_position']} of window {lr['window']}; "
+                     f"first shown by {lr['first_unit']} ({lr['mode']})")
+    return lines
+
+
+def markdown_summary(result: dict[str, Any]) -> str:
+    """summary.md: verdict, reasons, culprit, serving paths, first non-finite (no numbers formatted as NaN)."""
+    out = [f"# verify: {Path(result['model']).name} on {result['target']} ({result['dtype']})", "",
+           f"**{result['verdict'].upper()}**", ""]
+    out += [f"- {r}" for r in result["reasons"]]
+    c, ff, nf = result.get("culprit"), result.get("first_failing"), result.get("first_nonfinite")
+    if c:
+        out += ["", f"culprit: `{c['op']}` in `{c['module']}` at `{c['source']}`: `{c['code']}`"]
+    elif ff:
+        out += ["", f"first failing: {ff.get('unit')} {ff.get('table') or ''} {ff.get('note') or ''}".rstrip()]
+    if nf:
+        out += ["", f"first non-finite value: {nf['where']}" + (f", op `{nf['op']}` at `{nf.get('source')}`"
+                                                              if nf.get("op") else "")]
+    lines = serving_lines(result)
+    if lines:
+        out += ["", "## serving paths, tables, long range", ""] + [f"    {line}" for line in lines]
+    return "\n".join(out) + "\n"
 
 
 def _figure(result: dict[str, Any]) -> Any:
@@ -101,6 +163,8 @@ def _figure(result: dict[str, Any]) -> Any:
 
 
 def write_verify_report(out_dir: str | Path, result: dict[str, Any], seed: int) -> Path:
+    """result.json (strict JSON: non-finite numbers are null), index.html with the plot, summary.md."""
+    result = json_safe(result)
     data = dict(result)
     data["environment"] = environment_manifest(seed=seed)
     rows = [{"boundary": b["name"], **{f"iso_{k}": v for k, v in b.get("isolated", {}).items() if k != "numel"},
@@ -111,9 +175,26 @@ def write_verify_report(out_dir: str | Path, result: dict[str, Any], seed: int) 
             {"#": o["index"], "op": o["op"], "module": o["module"], "source": o["source"],
              "iso rel L2": o["isolated"]["rel_l2"], "iso ok": o["isolated"]["ok"],
              "prop rel L2": o["propagated"]["rel_l2"]} for o in result["ops"]]
+    for name, rec in (result.get("paths") or {}).items():
+        tables[f"serving path: {name}"] = [
+            {"step": st["step"], "phase": st["phase"], "shape": st["shape"], "positions": st["positions"],
+             "mean KL": st["mean_kl"], "max row mean KL": st["max_row_mean_kl"], "top-1": st["top1_agreement"],
+             "clear flips": st["num_clear_flips"], "non-finite rows": st["nonfinite_rows"],
+             "tables ok": st["tables_ok"], "ok": st["ok"]} for st in rec["steps"]]
+    bad_tables = [t for t in result.get("tables") or [] if not t["ok"]]
+    if bad_tables:
+        tables["tables that differ from the reference's"] = [
+            {"table": t["name"], "path": t["path"], "first bad position": t.get("first_bad_position"),
+             "rel L2": t.get("rel_l2")} for t in bad_tables]
     lines = [f"verdict: {result['verdict']}"] + [f"- {r}" for r in result["reasons"]]
     if result.get("culprit"):
         c = result["culprit"]
         lines.append(f"culprit: {c['op']} in {c['module']} at {c['source']}: {c['code']}")
+    if result.get("first_nonfinite"):
+        lines.append(f"first non-finite value: {result['first_nonfinite']['where']}")
+    lines += serving_lines(result)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.md").write_text(markdown_summary(result))
     return write_report(out_dir, data, title=f"firstlight verify: {Path(result['model']).name} on {result['target']}",
                         figures={"layer_error": _figure(result)}, tables=tables, summary="\n".join(lines))

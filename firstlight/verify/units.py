@@ -13,6 +13,11 @@ parameters are trailing inputs (see firstlight/targets/base.py). Targets whose c
 the inside of a layer (no hooks) also compile a layer's attention ((h, cos, sin, mask) → out) and
 MLP (h → out) as units of their own, so `layers.i.self_attn` and `layers.i.mlp` are still
 compared in isolation (each given the reference's input to that module).
+
+Serving-path units (keys and signatures in firstlight/targets/base.py): `step_unit` is a whole
+forward through a paged KV cache (prefill, chunked prefill, batched prefill, decode: one module,
+shapes decide), `step_layer_unit` one layer of it (what op replay of a failing decode step
+walks), `tables_unit` the rotary tables and masks the model builds once per forward.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 from torch import nn
 
 from firstlight.models.kv_cache import NoCache
+from firstlight.targets.base import unit_phase
 
 
 def mid_norm_name(layer: nn.Module) -> str:
@@ -165,6 +171,89 @@ class HeadAdapter(nn.Module):
         return h, self.model.compute_logits(h)
 
 
+class PagedKV:
+    """The model's KV-cache protocol (models/kv_cache.py) over a slot pool, without mutating it.
+
+    pool: [num_layers, 2, num_slots, Hkv, D]; write_slots [B*S] (the pool slot of each new token,
+    a scratch slot for padding); gather_slots [B, L] (each row's keys through its block table);
+    key_positions [B, L] (-1: no key there). `update` scatters with `index_copy` (out of place)
+    and gathers with `index_select`, as the engine's paged cache does in place; `pool()` is the
+    updated pool. `single`: the pool holds one layer, whatever index the attention passes.
+    """
+
+    def __init__(self, pool: torch.Tensor, write_slots: torch.Tensor, gather_slots: torch.Tensor,
+                 key_positions: torch.Tensor | None = None, single: bool = False) -> None:
+        self.kv, self.write_slots, self.gather_slots = pool, write_slots, gather_slots
+        self.key_positions, self.single = key_positions, single
+        self.written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def begin(self, positions: torch.Tensor) -> torch.Tensor:
+        assert self.key_positions is not None, "a one-layer PagedKV gets its mask from the caller"
+        return self.key_positions
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        i = 0 if self.single else layer
+        batch, num_kv_heads, seq, head_dim = k.shape  # k, v: [B, Hkv, S, D]
+        k_new = k.transpose(1, 2).reshape(batch * seq, num_kv_heads, head_dim).to(self.kv.dtype)
+        v_new = v.transpose(1, 2).reshape(batch * seq, num_kv_heads, head_dim).to(self.kv.dtype)
+        k_pool = self.kv[i, 0].index_copy(0, self.write_slots, k_new)  # [num_slots, Hkv, D]
+        v_pool = self.kv[i, 1].index_copy(0, self.write_slots, v_new)
+        self.written[i] = (k_pool, v_pool)
+        flat = self.gather_slots.reshape(-1)
+        shape = (*self.gather_slots.shape, num_kv_heads, head_dim)  # [B, L, Hkv, D]
+        k_all = k_pool.index_select(0, flat).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
+        v_all = v_pool.index_select(0, flat).view(shape).transpose(1, 2)
+        return k_all, v_all
+
+    def end(self) -> None:
+        pass
+
+    def pool(self) -> torch.Tensor:
+        layers = [torch.stack(self.written[i]) if i in self.written else self.kv[i] for i in range(self.kv.shape[0])]
+        return torch.stack(layers)
+
+
+class StepAdapter(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
+                gather_slots: torch.Tensor, key_positions: torch.Tensor,
+                kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids, positions: [B, S] → (logits [B, S, V], the pool with this step's K/V written)."""
+        cache = PagedKV(kv, write_slots, gather_slots, key_positions)
+        logits = self.model(ids, positions, cache)
+        return logits, cache.pool()
+
+
+class StepLayerAdapter(nn.Module):
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                write_slots: torch.Tensor, gather_slots: torch.Tensor,
+                kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, S, E], kv: this layer's pool [2, num_slots, Hkv, D] → (layer output, updated pool)."""
+        t = self.layer.layer_type
+        cache = PagedKV(kv[None], write_slots, gather_slots, single=True)
+        out = self.layer(x, {t: (cos, sin)}, {t: mask}, cache)
+        return out, cache.pool()[0]
+
+
+class TablesAdapter(nn.Module):
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.model, self.dtype = model, dtype
+
+    def forward(self, positions: torch.Tensor, key_positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per layer type (sorted): cos, sin [B, 1, S, D] and the boolean mask [B, 1, S, L]."""
+        rope = self.model.rope_tables(positions, self.dtype)
+        masks = self.model.masks(positions, key_positions, allow_shortcuts=False)
+        return tuple(x for t in sorted(rope) for x in (*rope[t], masks[t]))
+
+
 class Unit(nn.Module):
     """An adapter with the parameters it uses as trailing forward inputs (torch.func.functional_call)."""
 
@@ -172,6 +261,7 @@ class Unit(nn.Module):
         super().__init__()
         self.adapter = adapter
         self.path, self.key, self.attr = path, key, attr  # attr: adapter attribute that maps to `path`
+        self.phase = unit_phase(key)  # "prefill" | "decode": what op replay passes in OpSite.phase
         wanted = {id(p) for m in uses for p in m.parameters()}
         self.param_names = [n for n, p in adapter.named_parameters() if id(p) in wanted]
 
@@ -217,3 +307,18 @@ def mlp_unit(model: nn.Module, i: int) -> Unit:
 
 def head_unit(model: nn.Module) -> Unit:
     return Unit(HeadAdapter(model), [model.norm, model.lm_head], "", "head", "model")
+
+
+def step_unit(model: nn.Module, phase: str = "prefill") -> Unit:
+    """A whole forward through a paged KV cache; key `prefill` or `decode` (its phase)."""
+    return Unit(StepAdapter(model), [model], "", phase, "model")
+
+
+def step_layer_unit(model: nn.Module, i: int, phase: str = "decode") -> Unit:
+    layer = model.layers[i]
+    key = f"decode_layer:{layer.layer_type}" if phase == "decode" else f"prefill_layer:{layer.layer_type}"
+    return Unit(StepLayerAdapter(layer), [layer], f"layers.{i}", key, "layer")
+
+
+def tables_unit(model: nn.Module, dtype: torch.dtype) -> Unit:
+    return Unit(TablesAdapter(model, dtype), [], "", "tables", "model")

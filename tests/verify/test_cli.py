@@ -28,6 +28,23 @@ def test_match_exits_0_and_writes_report(runner, tiny_dirs, tmp_path):
     assert data["verdict"] == "match" and data["environment"]["seed"] == 0
     assert (out / "layer_error.png").stat().st_size > 0
     assert "layer_error.png" in (out / "index.html").read_text()
+    assert data["paths"]["serve"]["ok"] and "serve path" in (out / "summary.md").read_text()
+    assert "serve path (" in res.output  # the terminal summary has the serving path's line
+
+
+def test_decode_only_fault_exits_1_naming_the_step(runner, tiny_dirs):
+    spec = "faulty:op=aten.silu,layer=1,kind=scale,value=1.3,phase=decode"
+    res = _run(runner, "--model", str(tiny_dirs["llama"]), "--target", spec, "--decode-steps", "2", "--json")
+    assert res.exit_code == 1, res.output
+    data = json.loads(res.stdout)
+    assert data["first_failing"]["path"] == "serve" and data["first_failing"]["phase"] == "decode"
+    assert data["culprit"]["op"] == "aten.silu.default" and data["culprit"]["module"] == "layers.1.mlp"
+    assert [s["phase"] for s in data["paths"]["serve"]["steps"]].count("decode") == 2
+
+
+def test_negative_decode_steps_exits_2(runner, tiny_dirs):
+    res = _run(runner, "--model", str(tiny_dirs["llama"]), "--decode-steps", "-1")
+    assert res.exit_code == 2 and "--decode-steps -1" in res.output
 
 
 def test_mismatch_exits_1_with_culprit_json(runner, tiny_dirs, tmp_path):

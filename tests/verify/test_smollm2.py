@@ -33,8 +33,20 @@ def summary(res) -> str:
         f"  greedy: {'no divergence' if div is None else div}",
         f"  perplexity ({q['num_tokens']} tokens): reference {q['reference']:.4f}, target {q['target']:.4f}, "
         f"ratio {q['ratio']:.6f}",
+        f"  serving path: {serving(res)}",
+        f"  tables: {sum(t['ok'] for t in res.tables)}/{len(res.tables)} match the reference's",
         f"  stage times (s): { {k: round(v, 1) for k, v in res.timings_s.items()} }",
     ])
+
+
+def serving(res) -> str:
+    rec = res.paths["serve"]
+    steps = rec["steps"]
+    kl = max(s["max_row_mean_kl"] for s in steps)
+    own = max(s["vs_full_forward"]["rel_l2"] for s in steps)
+    return (f"{len(steps)} steps ({sum(s['phase'] == 'decode' for s in steps)} decode), ok {rec['ok']}, worst row "
+            f"mean KL {kl:.3g}, max rel L2 vs own full forward {own:.3g}, K/V max rel L2 "
+            f"{rec['kv_cache']['max_rel_l2']:.3g}")
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +70,7 @@ def test_honest_target_matches(smol, spec, dtype):
     assert res.verdict == "match", res.reasons
     names = {b["name"] for b in res.boundaries}
     assert {"layers.29.self_attn", "layers.29.mlp"} <= names  # inside-layer too, compiled targets included
+    assert res.paths["serve"]["ok"] and all(t["ok"] for t in res.tables)
 
 
 def test_fault_in_layer_20_of_30_is_found(smol):
@@ -68,3 +81,25 @@ def test_fault_in_layer_20_of_30_is_found(smol):
     assert res.verdict == "mismatch"
     assert res.first_failing["unit"] == "layers.20"
     assert res.culprit["op"] == "aten.silu.default" and res.culprit["module"] == "layers.20.mlp"
+
+
+def test_decode_only_fault_is_localized_on_smollm2(smol):
+    """Prefill exact, decode wrong (layer 20's SiLU in decode steps only): the step and op are named."""
+    path, ref, _ = smol
+    fault = Fault("scale", op="aten.silu", layer=20, value=1.2, phase="decode")
+    res = run_verify(path, FaultyTarget(faults=[fault]), "faulty", config=VerifyConfig(new_tokens=8, ppl_tokens=0),
+                     reference=ref)
+    assert res.verdict == "mismatch"
+    assert all(b["isolated"]["ok"] for b in res.boundaries) and res.parity["ok"]
+    ff = res.first_failing
+    assert ff["path"] == "serve" and ff["phase"] == "decode" and ff["unit"] == "layers.20"
+    assert res.culprit["op"] == "aten.silu.default" and res.culprit["module"] == "layers.20.mlp"
+
+
+def test_rope_table_fault_is_blamed_on_the_table_on_smollm2(smol):
+    path, ref, _ = smol
+    res = run_verify(path, FaultyTarget(faults=[Fault("table", table="rope", min_position=24)]), "faulty",
+                     config=VerifyConfig(new_tokens=8, ppl_tokens=0), reference=ref)
+    assert res.verdict == "mismatch"
+    assert res.first_failing["unit"] == "tables" and res.first_failing["first_bad_position"] == 24
+    assert res.culprit is None and all(b["isolated"]["ok"] for b in res.boundaries)

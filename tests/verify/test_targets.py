@@ -52,7 +52,10 @@ def test_inductor_fp32_matches(tiny_dirs, references):
     # every unit went through Inductor (none fell back to eager at Dynamo's recompile limit)
     note = next(n for n in res.target_report["notes"] if "compiled by Inductor" in n)
     num_graphs, num_units = int(note.split()[0]), int(note.split(" for ")[1].split()[0])
-    assert num_units == 6 and num_graphs >= num_units  # logits, embed, layer, head, attention, MLP
+    # full sequence: logits, embed, layer, head, attention, MLP, tables; serving paths: the target's
+    # logits over the batch's second prompt, prefill and decode steps, tables at both shapes
+    assert num_units == 12 and num_graphs >= num_units  # prefill is [3, 20], decode [3, 1]
+    assert res.paths["serve"]["ok"] and all(t["ok"] for t in res.tables)
 
 
 class _AttentionMiscompiled(Target):

@@ -5,7 +5,7 @@ The emulated-chip target (`firstlight.targets.emulated`) computes with these; do
 ("Formats") lists each format's source and where maintained libraries disagree.
 """
 
-from firstlight.numerics.arithmetic import FIDELITIES, MatmulNumerics, matmul
+from firstlight.numerics.arithmetic import FIDELITIES, MatmulNumerics, PreparedWeight, matmul, prepare_weight
 from firstlight.numerics.errors import NumericsError
 from firstlight.numerics.formats import FORMATS, Encoded, Format, decode, encode, get_format, quantize
 from firstlight.numerics.transcendentals import APPROX, approx
@@ -16,12 +16,14 @@ __all__ = [
     "FORMATS",
     "Encoded",
     "Format",
-    "approx",
     "MatmulNumerics",
     "NumericsError",
+    "PreparedWeight",
+    "approx",
     "decode",
     "encode",
     "get_format",
     "matmul",
+    "prepare_weight",
     "quantize",
 ]

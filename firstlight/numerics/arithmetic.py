@@ -152,6 +152,7 @@ class PreparedWeight:
 
 
 def prepare_weight(b: torch.Tensor, numerics: MatmulNumerics, *, b_axis: int = -2) -> PreparedWeight:
+    """b [..., K, N] quantized to numerics.b_format (blocks along b_axis), tile-padded, fidelity-split."""
     if b.dim() < 2:
         raise NumericsError(f"a weight must be [..., K, N], got shape {tuple(b.shape)}")
     shape = tuple(b.shape)

@@ -27,6 +27,7 @@ from firstlight.core.hardware import DTYPE_BYTES, EfficiencySpec, HardwareSpec
 from firstlight.sim.collectives import collective_time
 from firstlight.sim.model import LayerGroup, Linear, ModelDesc
 from firstlight.sim.parallel import ParallelConfig, check_parallel, kv_shard
+from firstlight.sim.system import TPLink, tp_link
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class CostModel:
         self.moe_imbalance = moe_imbalance
         self.collective_algorithm = collective_algorithm
         self.kv_shard = kv_shard(model, self.par)
+        self._system_links: dict[int, TPLink | None] = {}
         self._token_cache = lru_cache(maxsize=65536)(self._token_ops_time)
         self._logits_cache = lru_cache(maxsize=4096)(self._logits_time)
 
@@ -82,14 +84,25 @@ class CostModel:
         c = self.roofline(lin.name, flops, nbytes)
         return OpCost(lin.name, flops * layers, nbytes * layers, c.time_s * layers, c.bound)
 
-    def _comm_link(self) -> tuple[float, float]:
-        """(alpha, bandwidth) of the link TP collectives use: scale-up if the group fits in one domain."""
+    def _comm_link(self, group: int | None = None) -> tuple[float, float]:
+        """(alpha, bandwidth) a collective over `group` ranks (default: the TP group) sees.
+
+        With a `system` section in the spec the ring is routed over the box's own links (sim/system.py),
+        so a group that spans a slow inter-card link is priced on it; otherwise: scale-up if the group
+        fits in one domain, else scale-out.
+        """
+        group = self.par.tp if group is None else group
+        if group not in self._system_links:
+            self._system_links[group] = tp_link(self.hw, group)
+        sys_link = self._system_links[group]
+        overhead = self.eff.collective_overhead_us * 1e-6
+        if sys_link is not None:
+            return sys_link.alpha_s + overhead, sys_link.bandwidth * self.eff.network
         links = self.hw.links
-        link = links.scale_up if links.scale_up and self.par.tp <= links.scale_up.domain_size else links.scale_out
+        link = links.scale_up if links.scale_up and group <= links.scale_up.domain_size else links.scale_out
         if link is None:
             return 0.0, float("inf")
-        alpha = link.latency_s + self.eff.collective_overhead_us * 1e-6
-        return alpha, link.bandwidth_bytes_per_s * self.eff.network
+        return link.latency_s + overhead, link.bandwidth_bytes_per_s * self.eff.network
 
     def _allreduce(self, name: str, nbytes: float, count: int) -> OpCost:
         if self.par.tp == 1 or nbytes <= 0:
@@ -140,7 +153,7 @@ class CostModel:
         c = self.roofline("moe_experts", flops, w_bytes + a_bytes, kernels=2)
         t = c.time_s
         if ep > tp:  # experts live outside this TP group: dispatch + combine all-to-all
-            alpha, bw = self._comm_link()
+            alpha, bw = self._comm_link(ep)
             nbytes = m * moe.top_k * self.model.hidden_size * self.ab / ep
             t += 2 * collective_time("all_to_all", nbytes, ep, alpha, bw, "pairwise")
         return OpCost("moe_experts", flops * L, (w_bytes + a_bytes) * L, t * L, c.bound)
@@ -153,7 +166,7 @@ class CostModel:
         emb = m * self.model.hidden_size * self.ab
         ops.append(self.roofline("embedding", 0.0, 2 * emb))
         if self.par.pp > 1:
-            alpha, bw = self._comm_link()
+            alpha, bw = self._comm_link(self.par.tp * self.par.pp)
             t = (self.par.pp - 1) * (alpha + emb / bw)
             ops.append(OpCost("pp_send", 0.0, emb * (self.par.pp - 1), t, "network"))
         return ops

@@ -371,3 +371,27 @@ def sweep(model_name: str = MODEL,
     if out:
         write_sweep_report(out, rows, spec)
         typer.echo(f"report: {out}/index.html")
+
+
+@app.command()
+def compare(model_name: str = typer.Option("llama-3.1-70b", "--model"), prompt_len: int = 1024, output_len: int = 1024,
+            slo: str = typer.Option("ttft=2,tpot=0.1", help="p90 SLOs in seconds: ttft=..,tpot=.."),
+            num_requests: int = typer.Option(100, help="requests per simulated replica and rate"),
+            systems: str = typer.Option("", help="comma-separated SYSTEM:PRECISION:STACK (default: every vendor)"),
+            markdown: bool = typer.Option(False, help="print the docs/SIM.md table")) -> None:
+    """One workload on every system at its vendor's precision and stack: throughput, latency, $/1M tokens."""
+    from firstlight.sim.compare import DEFAULT_SYSTEMS, CompareSpec, evaluate_system, to_markdown
+    from firstlight.sim.sweep import parse_slo
+
+    ttft, tpot = parse_slo(slo)
+    spec = CompareSpec(model_name, prompt_len, output_len, ttft, tpot, num_requests)
+    todo = [tuple(x.split(":")) for x in systems.split(",") if x.strip()] if systems else DEFAULT_SYSTEMS
+    rows = []
+    for item in todo:
+        if len(item) != 3:
+            from firstlight.errors import FirstlightError
+
+            raise FirstlightError(f"--systems item {':'.join(item)!r}: expected SYSTEM:PRECISION:STACK")
+        rows.append(evaluate_system(*item, spec))
+        typer.echo(f"done {item[0]}", err=True)
+    typer.echo(to_markdown(rows, spec) if markdown else json.dumps(rows, indent=2, default=str))

@@ -7,9 +7,11 @@ prices flows on (devices are int nodes, switches string nodes; edges carry bytes
 direction). Two classes that join the same pair add their bandwidth (parallel links).
 
 `tp_link(spec, tp)` answers the question the cost model asks for every TP collective: what alpha and
-bandwidth does a ring over the first `tp` chips see? One ring step (every rank sends to the next) is
-routed on the graph at two message sizes; the step time is linear in the size, so its intercept is the
-path latency (alpha) and its slope the bottleneck share of bandwidth. A TP group that spans a slow
+bandwidth does a collective over the first `tp` chips see? One ring step (every rank sends to the next)
+and one direct step (every rank sends to every other) are routed on the graph at two message sizes;
+step time is linear in the size, so the intercept is the path latency (alpha) and the slope gives the
+bytes per second a rank injects. The better pattern wins: a ring on a switch or a ring of links, the
+direct pattern on a full mesh (where a rank drives all its peer links at once). A TP group that spans a slow
 inter-card link is priced on that link: T3K's 8-chip ring crosses 100 GbE Ethernet, an HGX board's
 crosses NVLink, one n300's 2-chip ring its on-card Ethernet.
 """
@@ -135,10 +137,21 @@ def tp_link(spec: HardwareSpec, tp: int) -> TPLink | None:
         flows = [(i, (i + 1) % tp, nbytes) for i in range(tp)] if tp > 2 else [(0, 1, nbytes), (1, 0, nbytes)]
         return route_steps([flows], g, ranks).time_s
 
+    def direct(nbytes: float) -> float:  # every rank sends to every other at once (one-shot / pairwise RS)
+        flows = [(i, j, nbytes) for i in range(tp) for j in range(tp) if i != j]
+        return route_steps([flows], g, ranks).time_s
+
     small, big = 1.0, 1e9
     t_small, t_big = step(small), step(big)
     bw = (big - small) / (t_big - t_small)
     alpha = max(t_small - small / bw, 0.0)
+    # On a full mesh (Infinity Fabric, Gaudi RoCE) a rank reaches all peers at once, so collectives see the
+    # sum of its links (RCCL/HCCL direct algorithms); on a switch or a ring the two patterns tie. Take the
+    # pattern that moves more bytes per rank per second.
+    d_small, d_big = direct(small), direct(big)
+    bw_direct = (tp - 1) * (big - small) / (d_big - d_small)
+    if bw_direct > bw * (1 + 1e-9):
+        bw, alpha = bw_direct, max(d_small - (tp - 1) * small / bw_direct, 0.0)
     used: dict[str, float] = {}
     for i in range(tp):
         path = nx.shortest_path(g, ranks[i], ranks[(i + 1) % tp], weight="latency")

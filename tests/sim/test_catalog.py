@@ -12,7 +12,7 @@ from firstlight.sim.cli import app
 from firstlight.sim.cost import CostModel
 from firstlight.sim.model import load_model
 from firstlight.sim.serve import ServeConfig, run_serve
-from firstlight.sim.stack import StackCost, StackError, builtin_stacks, load_stack
+from firstlight.sim.stack import StackCost, StackError, builtin_stack_dir, builtin_stacks, load_stack
 from firstlight.sim.workload import Workload
 
 
@@ -46,7 +46,7 @@ def test_jetstream_pads_every_decode_to_its_slots():
 
 
 def test_static_batching_makes_late_requests_wait_for_the_batch_to_drain(tmp_path):
-    st = yaml.safe_load(open(load_stack.__globals__["builtin_stack_dir"]() / "vllm.yaml"))
+    st = yaml.safe_load((builtin_stack_dir() / "vllm.yaml").read_text())
     st.update(name="static", inflight_batching=False)
     path = tmp_path / "static.yaml"
     path.write_text(yaml.safe_dump(st))

@@ -17,11 +17,13 @@ STACK = typer.Option(None, "--stack", help="serving-stack preset (`firstlight si
                      "tt-metal, neuron; sets max batch, chunked prefill, graph/trace padding")
 
 
-def _load(model_name: str, precision: str | None):  # -> ModelDesc
+def _load(model_name: str, precision: str | None, announce: bool = True):  # -> ModelDesc
+    """The model at a precision profile; says which profile on stderr (JSON commands carry it in their output)."""
     from firstlight.sim.model import load_model
 
     m = load_model(model_name, precision=precision)
-    typer.echo(f"precision profile: {m.profile.describe()}", err=True)
+    if announce:
+        typer.echo(f"precision profile: {m.profile.describe()}", err=True)
     return m
 
 
@@ -118,7 +120,7 @@ def stacks() -> None:
 def model(config: str = typer.Argument(..., help="config.json, checkpoint dir or preset name"),
           precision: str | None = PRECISION) -> None:
     """Parameter count, KV bytes per token and FLOPs per token of a model."""
-    _print_json(_load(config, precision).summary())
+    _print_json(_load(config, precision, announce=False).summary())
 
 
 @app.command()
@@ -129,7 +131,7 @@ def fit(hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1, ep: int
     from firstlight.core.hardware import load_spec
     from firstlight.sim.parallel import ParallelConfig, plan_memory
 
-    m = _load(model_name, precision)
+    m = _load(model_name, precision, announce=False)
     plan = plan_memory(m, load_spec(hw), ParallelConfig(tp=tp, pp=pp, ep=ep),
                        max_num_batched_tokens, max_num_seqs, memory_utilization)
     _print_json({**plan.to_dict(), "precision": m.profile.name})

@@ -83,3 +83,23 @@ def test_cli_bad_precision_names_the_key(tmp_path):
                                  "kv_cache": "bf16", "activations": "bf16", "router_weights": "int8"}))
     r = CliRunner().invoke(app, ["step", "--precision", str(p)])
     assert r.exit_code != 0 and "unknown tensor group 'router_weights'" in str(r.exception)
+
+
+def test_compare_marks_a_system_the_model_does_not_fit():
+    from firstlight.sim.compare import CompareSpec, evaluate_system, to_markdown
+
+    spec = CompareSpec(model="llama-3.1-405b")
+    row = evaluate_system("wormhole-n300", "tt-performance", "tt-metal", spec)
+    assert row["fits"] is False
+    assert "| wormhole-n300 | 2 | tt-performance | tt-metal | does not fit |" in to_markdown([row], spec)
+
+
+@pytest.mark.slow
+def test_compare_finds_a_sustained_rate_that_meets_the_slo():
+    from firstlight.sim.compare import CompareSpec, evaluate_system
+
+    spec = CompareSpec(model="llama-3.1-8b", prompt_len=256, output_len=64, slo_ttft_s=1.0, slo_tpot_s=0.05,
+                       num_requests=50, window_s=20)
+    row = evaluate_system("hgx-h100", "fp8", "trtllm", spec)
+    assert row["meets_slo"] and row["ttft_p90_s"] <= 1.0 and row["tpot_p90_s"] <= 0.05
+    assert row["output_tokens_per_s"] == pytest.approx(row["rate_per_system"] * 64)

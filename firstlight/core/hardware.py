@@ -14,6 +14,7 @@ reader can always tell a published number from a guess. Unknown keys are an erro
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,6 +22,23 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from firstlight.errors import FirstlightError
+
+# Block-scaled formats: `elem_bits` per element plus one `scale_bits` scale shared by `block` elements,
+# so the amortized bytes per element are (elem_bits + scale_bits / block) / 8.
+BLOCK_FORMATS: dict[str, dict[str, object]] = {
+    # Tenstorrent block floats: 16 mantissas (sign + 7 or 3 bits) share one 8-bit exponent
+    # (tt-metal tech_reports/data_formats: bfloat8_b / bfloat4_b, one exponent per 16-element row of a tile face)
+    "bfp8": {"elem_bits": 8, "block": 16, "scale_bits": 8, "source": "tt-metal tech_reports/data_formats (bfloat8_b)"},
+    "bfp4": {"elem_bits": 4, "block": 16, "scale_bits": 8, "source": "tt-metal tech_reports/data_formats (bfloat4_b)"},
+    "bfp2": {"elem_bits": 2, "block": 16, "scale_bits": 8, "source": "tt-metal tech_reports/data_formats (bfloat2_b)"},
+    # OCP Microscaling (MX) v1.0: 32 elements share one E8M0 scale
+    "mxfp8": {"elem_bits": 8, "block": 32, "scale_bits": 8, "source": "OCP Microscaling Formats (MX) v1.0, sec. 5"},
+    "mxfp6": {"elem_bits": 6, "block": 32, "scale_bits": 8, "source": "OCP Microscaling Formats (MX) v1.0, sec. 5"},
+    "mxfp4": {"elem_bits": 4, "block": 32, "scale_bits": 8, "source": "OCP Microscaling Formats (MX) v1.0, sec. 5"},
+    # NVIDIA NVFP4: E2M1 elements, one FP8 E4M3 scale per 16 (+ one fp32 per tensor, negligible)
+    "nvfp4": {"elem_bits": 4, "block": 16, "scale_bits": 8, "source": "NVIDIA Blackwell NVFP4 (TensorRT Model Optimizer docs)"},
+    "mxint8": {"elem_bits": 8, "block": 32, "scale_bits": 8, "source": "OCP Microscaling Formats (MX) v1.0, sec. 5"},
+}
 
 DTYPE_BYTES: dict[str, float] = {
     "fp64": 8,
@@ -30,22 +48,16 @@ DTYPE_BYTES: dict[str, float] = {
     "fp16": 2,
     "fp8": 1,
     "int8": 1,
+    "fp6": 0.75,
     "fp4": 0.5,
     "int4": 0.5,
-    # block formats: element bits plus the shared scale amortized over the block
-    "bfp8": 8.5 / 8,  # Tenstorrent bfp8_b: 8 bits + an 8-bit exponent per 16 values
-    "bfp4": 4.5 / 8,
-    "bfp2": 2.5 / 8,
-    "mxfp8": 8.25 / 8,  # OCP MX: 8 bits + an E8M0 scale per 32 values
-    "mxint8": 8.25 / 8,
-    "mxfp6": 6.25 / 8,
-    "mxfp4": 4.25 / 8,
-    "nvfp4": 4.5 / 8,  # 4 bits + an E4M3 scale per 16 values
+    **{k: (int(v["elem_bits"]) + int(v["scale_bits"]) / int(v["block"])) / 8  # type: ignore[call-overload]
+       for k, v in BLOCK_FORMATS.items()},
 }
 
-# The compute_tflops entry that prices a block format's matmuls (B200 datasheet: FP6 runs at the FP8 rate).
-COMPUTE_CLASS: dict[str, str] = {"bfp8": "fp8", "mxfp8": "fp8", "mxint8": "int8", "mxfp6": "fp8",
-                                 "bfp4": "fp4", "bfp2": "fp4", "mxfp4": "fp4", "nvfp4": "fp4"}
+# flops_per_s falls back from a dtype the chip does not list to the next one here (narrow -> wide)
+_RATE_ORDER = ["bfp2", "fp4", "nvfp4", "mxfp4", "int4", "bfp4", "fp6", "mxfp6", "fp8", "mxfp8", "bfp8", "int8", "mxint8",
+               "bf16", "fp16", "tf32", "fp32", "fp64"]
 
 
 class HardwareSpecError(FirstlightError):
@@ -164,6 +176,104 @@ class NumericsSpec(_Strict):
         return self
 
 
+SYSTEM_PATTERNS = ("switch", "full_mesh", "ring", "line", "mesh2d", "torus2d", "torus3d")
+
+
+class SystemLinkSpec(_Strict):
+    """One class of links inside a box or rack: a `pattern` over groups of chips, or explicit `edges`.
+
+    `bandwidth_gbps` is per link, per direction (for `switch`: each chip's link into the switch).
+    Chips are numbered 0..num_chips-1; a pattern spans consecutive groups of `group_size` chips
+    (default: all), laid out over `dims` for meshes and tori. Two classes joining the same pair add up.
+    """
+
+    name: str
+    bandwidth_gbps: float = Field(gt=0)
+    latency_us: float = Field(ge=0)
+    pattern: str | None = None
+    group_size: int | None = Field(default=None, ge=2)
+    dims: list[int] | None = None
+    edges: list[tuple[int, int]] | None = None
+    links_per_edge: int = Field(default=1, ge=1)  # informational: physical links bundled into one edge
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> SystemLinkSpec:
+        if (self.pattern is None) == (self.edges is None):
+            raise ValueError(f"link {self.name!r}: give exactly one of pattern ({'/'.join(SYSTEM_PATTERNS)}) or edges")
+        if self.pattern is not None and self.pattern not in SYSTEM_PATTERNS:
+            raise ValueError(f"link {self.name!r}: unknown pattern {self.pattern!r}; expected one of {list(SYSTEM_PATTERNS)}")
+        if self.dims is not None and self.pattern not in ("mesh2d", "torus2d", "torus3d"):
+            raise ValueError(f"link {self.name!r}: dims only apply to mesh2d/torus2d/torus3d")
+        return self
+
+
+class SystemSpec(_Strict):
+    """A box or rack of chips: how many, how they are packaged, and the links between them."""
+
+    name: str
+    num_chips: int = Field(ge=1)
+    chips_per_card: int = Field(default=1, ge=1)
+    cards_per_node: int | None = Field(default=None, ge=1)
+    links: list[SystemLinkSpec] = []
+
+    @model_validator(mode="after")
+    def _check_chips(self) -> SystemSpec:
+        n = self.num_chips
+        if n % self.chips_per_card:
+            raise ValueError(f"num_chips={n} is not a multiple of chips_per_card={self.chips_per_card}")
+        names = [lk.name for lk in self.links]
+        if len(set(names)) != len(names):
+            raise ValueError(f"system link names must be unique, got {names}")
+        for i, lk in enumerate(self.links):
+            where = f"links[{i}] ({lk.name!r})"
+            if lk.edges is not None:
+                for j, (a, b) in enumerate(lk.edges):
+                    for c in (a, b):
+                        if not 0 <= c < n:
+                            raise ValueError(f"{where}.edges[{j}] = [{a}, {b}]: chip {c} does not exist "
+                                             f"(this system has {n} chips, numbered 0..{n - 1})")
+                    if a == b:
+                        raise ValueError(f"{where}.edges[{j}] joins chip {a} to itself")
+                continue
+            g = lk.group_size or n
+            if g > n or n % g:
+                raise ValueError(f"{where}.group_size={g} must divide num_chips={n}")
+            if lk.dims is not None:
+                want = 3 if lk.pattern == "torus3d" else 2
+                if len(lk.dims) != want or math.prod(lk.dims) != g:
+                    raise ValueError(f"{where}.dims={lk.dims} must be {want} numbers whose product is the group "
+                                     f"size {g}")
+        self._check_connected()
+        return self
+
+    def _check_connected(self) -> None:
+        parent = list(range(self.num_chips))
+
+        def find(x: int) -> int:
+            while parent[x] != x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        for lk in self.links:
+            if lk.edges is not None:
+                pairs = [tuple(e) for e in lk.edges]
+            else:
+                g = lk.group_size or self.num_chips
+                pairs = [(b, b + i) for b in range(0, self.num_chips, g) for i in range(1, g)]
+            for a, b in pairs:
+                parent[find(a)] = find(b)
+        roots = {find(c) for c in range(self.num_chips)}
+        if len(roots) > 1:
+            alone = sorted(c for c in range(self.num_chips) if find(c) != find(0))
+            raise ValueError(f"system {self.name!r}: chips {alone} have no path to chip 0; add a link class "
+                             "(pattern or edges) that joins them")
+
+    @property
+    def num_cards(self) -> int:
+        return self.num_chips // self.chips_per_card
+
+
 class HardwareSpec(_Strict):
     name: str
     vendor: str = ""
@@ -176,6 +286,7 @@ class HardwareSpec(_Strict):
     price_per_hour_usd: float | None = Field(default=None, ge=0)
     efficiency: EfficiencySpec = EfficiencySpec()
     numerics: NumericsSpec | None = None  # how it computes (emulated targets); None: not emulated
+    system: SystemSpec | None = None  # a box/rack of these chips; None = one chip (links says how it scales)
     sources: dict[str, str]
     notes: str = ""
 
@@ -193,24 +304,66 @@ class HardwareSpec(_Strict):
 
     @model_validator(mode="after")
     def _check_sources(self) -> HardwareSpec:
-        needed = ["compute_tflops", "memory"]
-        for name in ("sram_mib", "power_w", "price_per_hour_usd"):
-            if getattr(self, name) is not None:
-                needed.append(name)
+        missing = [p for p in self.figure_paths() if self.source_of(p) is None]
+        if missing:
+            raise ValueError(f"sources has no entry for {missing}: cite a datasheet or write 'estimate: why' "
+                             "(a key covers every figure under it, e.g. 'memory' covers memory.bandwidth_gbps)")
+        figures = self.figure_paths()
+        for key in self.sources:
+            if key.split(".")[0] in _SOURCED_GROUPS and not any(p == key or p.startswith(key + ".") for p in figures):
+                raise ValueError(f"sources.{key} names no figure of this spec; figures are named like "
+                                 f"{figures[0]!r} (see `firstlight sim specs --show NAME`)")
+        return self
+
+    def figure_paths(self) -> list[str]:
+        """Every published or estimated number in the spec, as a dotted path (what `sources` must cover)."""
+        paths = [f"compute_tflops.{d}" for d in self.compute_tflops]
+        paths += ["memory.capacity_gib", "memory.bandwidth_gbps"]
+        paths += [k for k in ("sram_mib", "power_w", "price_per_hour_usd") if getattr(self, k) is not None]
         for name in ("scale_up", "scale_out"):
             if getattr(self.links, name) is not None:
-                needed.append(f"links.{name}")
-        missing = [k for k in needed if not self.sources.get(k, "").strip()]
-        if missing:
-            raise ValueError(f"sources has no entry for {missing}: cite a datasheet or write 'estimate: why'")
-        return self
+                paths += [f"links.{name}.bandwidth_gbps", f"links.{name}.latency_us"]
+        paths += [f"efficiency.{k}" for k in EfficiencySpec.model_fields]
+        if self.system is not None:
+            for lk in self.system.links:
+                paths += [f"system.links.{lk.name}.bandwidth_gbps", f"system.links.{lk.name}.latency_us"]
+        return paths
+
+    def source_of(self, path: str) -> str | None:
+        """The most specific non-empty `sources` entry covering `path` (itself or a dotted prefix)."""
+        parts = path.split(".")
+        for i in range(len(parts), 0, -1):
+            text = self.sources.get(".".join(parts[:i]), "").strip()
+            if text:
+                return text
+        return None
+
+    def figures(self) -> list[dict[str, Any]]:
+        """[{path, value, source, estimate}] for every figure: what `firstlight sim specs --sources` prints."""
+        data = self.model_dump()
+        out = []
+        for p in self.figure_paths():
+            parts = p.split(".")
+            if parts[0] == "system":
+                lk = next(x for x in data["system"]["links"] if x["name"] == ".".join(parts[2:-1]))
+                value = lk[parts[-1]]
+            else:
+                value = data
+                for k in parts:
+                    value = value[k]
+            src = self.source_of(p) or ""
+            out.append({"path": p, "value": value, "source": src, "estimate": is_estimate(src)})
+        return out
+
+    @property
+    def num_chips(self) -> int:
+        return self.system.num_chips if self.system else 1
 
     def flops_per_s(self, dtype: str) -> float:
         """Peak dense FLOP/s for `dtype`; falls back to the nearest wider dtype the chip lists."""
-        order = ["fp4", "int4", "fp8", "int8", "bf16", "fp16", "tf32", "fp32", "fp64"]
+        order = _RATE_ORDER
         if dtype in self.compute_tflops:
             return self.compute_tflops[dtype] * 1e12
-        dtype = COMPUTE_CLASS.get(dtype, dtype)
         start = order.index(dtype) if dtype in order else 0
         for d in order[start:]:
             if d in self.compute_tflops:
@@ -219,6 +372,15 @@ class HardwareSpec(_Strict):
             f"hardware spec {self.name!r} lists no compute rate for {dtype!r} or any wider dtype "
             f"(has {sorted(self.compute_tflops)}); add compute_tflops.{dtype} to the spec"
         )
+
+
+_SOURCED_GROUPS = ("compute_tflops", "memory", "sram_mib", "power_w", "price_per_hour_usd", "links", "efficiency",
+                   "system")
+
+
+def is_estimate(source: str) -> bool:
+    """A source text that flags its figure as an estimate (starts with 'estimate')."""
+    return source.strip().lower().startswith("estimate")
 
 
 def _format_validation_error(e: ValidationError, where: str) -> str:
@@ -232,25 +394,67 @@ def _format_validation_error(e: ValidationError, where: str) -> str:
     return f"hardware spec {where} is invalid: " + "; ".join(parts)
 
 
-def spec_from_dict(data: dict[str, Any], where: str = "<dict>") -> HardwareSpec:
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _resolve_base(data: dict[str, Any], where: str, here: Path | None, seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`base: NAME_OR_PATH` starts from another spec's YAML and overrides it key by key (dicts merge).
+
+    A system spec (`hgx-h100`, `t3k`) is its chip's spec plus a `system` section; the chip's figures and
+    their sources come along, so each number is written (and cited) once.
+    """
+    if "base" not in data:
+        return data
+    ref = str(data["base"])
+    if ref in seen:
+        raise HardwareSpecError(f"hardware spec {where}: base chain {' -> '.join((*seen, ref))} loops")
+    cand = Path(ref) if Path(ref).is_absolute() or here is None else here / ref
+    if ref.endswith((".yaml", ".yml")) and cand.is_file():
+        path = cand
+    else:
+        path = builtin_spec_dir() / f"{_ALIASES.get(ref.lower(), ref.lower())}.yaml"
+        if not path.is_file():
+            raise HardwareSpecError(f"hardware spec {where}: base {ref!r} is neither a builtin spec "
+                                    f"({builtin_spec_names()}) nor a YAML file")
+    parent = _read_yaml(path)
+    parent = _resolve_base(parent, str(path), path.parent, (*seen, ref))
+    child = {k: v for k, v in data.items() if k != "base"}
+    merged = _deep_merge(parent, child)
+    if "notes" not in child:
+        merged.pop("notes", None)
+    return merged
+
+
+def spec_from_dict(data: dict[str, Any], where: str = "<dict>", here: Path | None = None) -> HardwareSpec:
     """Validate a dict as a HardwareSpec; errors name the file and the field."""
     if not isinstance(data, dict):
         raise HardwareSpecError(f"hardware spec {where} must be a YAML mapping, got {type(data).__name__}")
+    data = _resolve_base(data, where, here)
     try:
         return HardwareSpec.model_validate(data)
     except ValidationError as e:
         raise HardwareSpecError(_format_validation_error(e, where)) from None
 
 
-def load_spec_file(path: str | Path) -> HardwareSpec:
-    path = Path(path)
-    if not path.is_file():
-        raise HardwareSpecError(f"hardware spec file {path} does not exist")
+def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         raise HardwareSpecError(f"hardware spec {path} is not valid YAML: {e}") from None
-    return spec_from_dict(data, str(path))
+    if not isinstance(data, dict):
+        raise HardwareSpecError(f"hardware spec {path} must be a YAML mapping, got {type(data).__name__}")
+    return data
+
+
+def load_spec_file(path: str | Path) -> HardwareSpec:
+    path = Path(path)
+    if not path.is_file():
+        raise HardwareSpecError(f"hardware spec file {path} does not exist")
+    return spec_from_dict(_read_yaml(path), str(path), path.parent)
 
 
 def builtin_spec_dir() -> Path:

@@ -11,6 +11,20 @@ app = typer.Typer(help="Predict performance: op costs, collectives, parallelism,
 
 HW = typer.Option("h100", "--hw", help="builtin spec name (see `firstlight sim specs`) or a spec YAML path")
 MODEL = typer.Option("llama-3.1-8b", "--model", help="config.json path, checkpoint dir, or preset name")
+PRECISION = typer.Option(None, "--precision", help="precision profile: builtin name (`firstlight sim precisions`) "
+                         "or a YAML file; default: the checkpoint's dtype")
+STACK = typer.Option(None, "--stack", help="serving-stack preset (`firstlight sim stacks`): trtllm, vllm, jetstream, "
+                     "tt-metal, neuron; sets max batch, chunked prefill, graph/trace padding")
+
+
+def _load(model_name: str, precision: str | None, announce: bool = True):  # -> ModelDesc
+    """The model at a precision profile; says which profile on stderr (JSON commands carry it in their output)."""
+    from firstlight.sim.model import load_model
+
+    m = load_model(model_name, precision=precision)
+    if announce:
+        typer.echo(f"precision profile: {m.profile.describe()}", err=True)
+    return m
 
 
 def _print_json(obj: object) -> None:
@@ -42,51 +56,92 @@ def parse_batch(text: str):  # -> Batch
 
 
 @app.command()
-def specs(show: str = typer.Option("", "--show", help="print one spec in full")) -> None:
-    """List the shipped hardware specs (or print one with --show)."""
+def specs(show: str = typer.Option("", "--show", help="print one spec in full, every figure with its source"),
+          sources: bool = typer.Option(False, "--sources", help="list every figure of every spec with its source")) -> None:
+    """List the shipped chips and systems (chips, links, sources; --show NAME for one in full)."""
     from rich.console import Console
     from rich.table import Table
 
     from firstlight.core.hardware import builtin_spec_names, load_spec
+    from firstlight.sim.system import tp_link
 
     if show:
-        _print_json(load_spec(show).model_dump())
+        spec = load_spec(show)
+        _print_json({**spec.model_dump(), "figures": spec.figures()})
         return
-    t = Table("name", "bf16 TFLOP/s", "fp8 TFLOP/s", "mem GiB", "mem GB/s", "scale-up GB/s/dir", "W", "$/h")
+    if sources:
+        t = Table("spec", "figure", "value", "source", show_lines=False)
+        for name in builtin_spec_names():
+            for f in load_spec(name).figures():
+                t.add_row(name, f["path"], str(f["value"]), ("[estimate] " if f["estimate"] else "") + f["source"])
+        Console(width=250).print(t)
+        return
+    t = Table("name", "kind", "chips", "bf16 TFLOP/s", "fp8", "fp4", "mem GiB", "mem GB/s", "TP link (whole box)",
+              "GB/s/dir", "$/chip-h", "figures", "estimates")
     for name in builtin_spec_names():
         s = load_spec(name)
         up = s.links.scale_up
-        t.add_row(name, str(s.compute_tflops.get("bf16", "-")), str(s.compute_tflops.get("fp8", "-")),
-                  f"{s.memory.capacity_gib:g}", f"{s.memory.bandwidth_gbps:g}", f"{up.bandwidth_gbps:g}" if up else "-",
-                  str(s.power_w or "-"), str(s.price_per_hour_usd or "-"))
-    Console().print(t)
+        link = tp_link(s, s.num_chips)
+        via, bw = (link.via, link.bandwidth / 1e9) if link else ((up.name, up.bandwidth_gbps) if up else ("-", None))
+        figs = s.figures()
+        low = s.compute_tflops.get("fp4") or s.compute_tflops.get("nvfp4") or s.compute_tflops.get("mxfp4")
+        t.add_row(name, "system" if s.system else "chip", str(s.num_chips), str(s.compute_tflops.get("bf16", "-")),
+                  str(s.compute_tflops.get("fp8", "-")), str(low or "-"), f"{s.memory.capacity_gib:g}",
+                  f"{s.memory.bandwidth_gbps:g}", via, f"{bw:g}" if bw else "-", str(s.price_per_hour_usd or "-"),
+                  str(len(figs)), str(sum(f["estimate"] for f in figs)))
+    Console(width=220).print(t)
+    typer.echo("every figure has a source or an 'estimate' flag: `firstlight sim specs --sources`")
 
 
 @app.command()
-def model(config: str = typer.Argument(..., help="config.json, checkpoint dir or preset name")) -> None:
-    """Parameter count, KV bytes per token and FLOPs per token of a model."""
-    from firstlight.sim.model import load_model
+def precisions() -> None:
+    """List the builtin precision profiles (dtype per tensor group, math rate, source)."""
+    from firstlight.sim.precision import builtin_precisions, load_precision
 
-    _print_json(load_model(config).summary())
+    for n in builtin_precisions():
+        p = load_precision(n)
+        typer.echo(f"{p.describe()}\n    source: {p.source}")
+
+
+@app.command()
+def stacks() -> None:
+    """List the serving-stack presets and what they set."""
+    from firstlight.sim.stack import builtin_stacks, load_stack
+
+    for n in builtin_stacks():
+        st = load_stack(n)
+        typer.echo(f"{n}: max_num_seqs {st.max_num_seqs}, max_num_batched_tokens {st.max_num_batched_tokens}, "
+                   f"chunked prefill {st.enable_chunked_prefill}, in-flight {st.inflight_batching}, block "
+                   f"{st.block_size}, graph/trace sizes {st.graph_capture_sizes[:4]}{'...' if len(st.graph_capture_sizes) > 4 else ''}"
+                   f", prefill buckets {len(st.prefill_buckets)}\n    source: {st.source}")
+
+
+@app.command()
+def model(config: str = typer.Argument(..., help="config.json, checkpoint dir or preset name"),
+          precision: str | None = PRECISION) -> None:
+    """Parameter count, KV bytes per token and FLOPs per token of a model."""
+    _print_json(_load(config, precision, announce=False).summary())
 
 
 @app.command()
 def fit(hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1, ep: int = 1,
-        max_num_batched_tokens: int = 8192, max_num_seqs: int = 256, memory_utilization: float = 0.9) -> None:
+        max_num_batched_tokens: int = 8192, max_num_seqs: int = 256, memory_utilization: float = 0.9,
+        precision: str | None = PRECISION) -> None:
     """Does the model fit on the devices? Weights, activations, KV capacity per device."""
     from firstlight.core.hardware import load_spec
-    from firstlight.sim.model import load_model
     from firstlight.sim.parallel import ParallelConfig, plan_memory
 
-    plan = plan_memory(load_model(model_name), load_spec(hw), ParallelConfig(tp=tp, pp=pp, ep=ep),
+    m = _load(model_name, precision, announce=False)
+    plan = plan_memory(m, load_spec(hw), ParallelConfig(tp=tp, pp=pp, ep=ep),
                        max_num_batched_tokens, max_num_seqs, memory_utilization)
-    _print_json(plan.to_dict())
+    _print_json({**plan.to_dict(), "precision": m.profile.name})
 
 
 @app.command()
 def step(hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1, ep: int = 1,
          batch: str = typer.Option("decode:32@1024", help="decode:N@CTX, prefill:TOKENS[@CACHED], comma-separated"),
-         batch_json: Path | None = typer.Option(None, help="a Batch as JSON (core.Batch.to_dict)")) -> None:
+         batch_json: Path | None = typer.Option(None, help="a Batch as JSON (core.Batch.to_dict)"),
+         precision: str | None = PRECISION) -> None:
     """Predicted time of one engine step, op by op, with the roofline bound of each."""
     from rich.console import Console
     from rich.table import Table
@@ -94,12 +149,12 @@ def step(hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1, ep: in
     from firstlight.core.batch import Batch
     from firstlight.core.hardware import load_spec
     from firstlight.sim.cost import CostModel
-    from firstlight.sim.model import load_model
     from firstlight.sim.parallel import ParallelConfig
 
     b = Batch.from_dict(json.loads(batch_json.read_text())) if batch_json else parse_batch(batch)
-    cm = CostModel(load_model(model_name), load_spec(hw), ParallelConfig(tp=tp, pp=pp, ep=ep))
-    t = Table("op", "GFLOP", "MB", "time ms", "bound", title=f"{cm.model.name} on {cm.hw.name} ({b.num_tokens} tokens)")
+    cm = CostModel(_load(model_name, precision), load_spec(hw), ParallelConfig(tp=tp, pp=pp, ep=ep))
+    t = Table("op", "GFLOP", "MB", "time ms", "bound",
+              title=f"{cm.model.name} on {cm.hw.name} ({b.num_tokens} tokens, precision {cm.precision.name})")
     for op in cm.breakdown(b):
         t.add_row(op.name, f"{op.flops / 1e9:.2f}", f"{op.bytes / 1e6:.2f}", f"{op.time_s * 1e3:.3f}", op.bound)
     total = cm.time(b)
@@ -167,10 +222,10 @@ def serve(hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1, ep: i
           router: str = "round_robin", slo_ttft: float = 2.0, slo_tpot: float = 0.1, seed: int = 0,
           microbatches: int | None = typer.Option(None, help="pp > 1: micro-batches per step (default: pp)"),
           pipeline_schedule: str = typer.Option("gpipe", help="pp > 1: gpipe (flush each step) | async"),
+          precision: str | None = PRECISION, stack: str | None = STACK,
           out: Path | None = typer.Option(None, help="write a report directory (result.json, PNG plots)")) -> None:
     """Simulate serving a workload: latency distributions, throughput, goodput, utilization, $/1M tokens."""
     from firstlight.core.hardware import load_spec
-    from firstlight.sim.model import load_model
     from firstlight.sim.serve import ServeConfig, run_serve, write_serve_report
     from firstlight.sim.workload import load_trace, make_workload
 
@@ -181,12 +236,16 @@ def serve(hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1, ep: i
                       max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, router=router,
                       slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot, num_microbatches=microbatches,
                       pipeline_schedule=pipeline_schedule)
-    result, res = run_serve(load_model(model_name), load_spec(hw), wl, cfg)
+    if stack:
+        from firstlight.sim.stack import apply_stack, load_stack
+
+        cfg = apply_stack(cfg, load_stack(stack))
+    result, res = run_serve(_load(model_name, precision), load_spec(hw), wl, cfg)
     if out:
         write_serve_report(out, result, res, wl)
         typer.echo(f"report: {out}/index.html")
-    keys = ("num_devices", "num_finished", "makespan_s", "ttft_s", "tpot_s", "itl_s", "e2e_s", "throughput",
-            "goodput", "utilization", "pipeline", "num_preemptions", "cost", "sim")
+    keys = ("precision", "stack", "num_devices", "num_finished", "makespan_s", "ttft_s", "tpot_s", "itl_s", "e2e_s",
+            "throughput", "goodput", "utilization", "pipeline", "num_preemptions", "cost", "sim")
     _print_json({k: result[k] for k in keys})
 
 
@@ -270,6 +329,7 @@ def sweep(model_name: str = MODEL,
           replicas: int = 1, seed: int = 0,
           workers: int | None = typer.Option(None, help="local processes (default: CPU count)"),
           ray: bool = typer.Option(False, "--ray", help="run the points as Ray tasks (needs ray installed)"),
+          precision: str | None = PRECISION, stack: str | None = STACK,
           out: Path | None = typer.Option(None, help="report directory: result.json, Pareto plot, index.html")) -> None:
     """Every (hardware, tp, pp, rate) through the serving simulator; table, Pareto plot, best config under SLO."""
     from rich.console import Console
@@ -289,7 +349,8 @@ def sweep(model_name: str = MODEL,
     points = grid(parse_list(hw, str, "--hw"), parse_list(tp, int, "--tp"), parse_list(pp, int, "--pp"),
                   parse_list(rate, float, "--rate"))
     spec = SweepSpec(model_name, num_requests, prompt_len, output_len, len_dist=len_dist, seed=seed,
-                     num_replicas=replicas, slo_ttft_s=ttft, slo_tpot_s=tpot)
+                     num_replicas=replicas, slo_ttft_s=ttft, slo_tpot_s=tpot, precision=precision, stack=stack)
+    typer.echo(f"precision profile: {_load(model_name, precision).profile.describe()}; stack: {stack or 'default'}")
     rows = run_sweep(points, spec, workers, ray)
     t = Table("hw", "tp", "pp", "rate", "devices", "p90 TTFT s", "p90 TPOT ms", "out tok/s", "$/1M out", "SLO",
               title=f"{model_name}: {len(rows)} points")
@@ -312,3 +373,27 @@ def sweep(model_name: str = MODEL,
     if out:
         write_sweep_report(out, rows, spec)
         typer.echo(f"report: {out}/index.html")
+
+
+@app.command()
+def compare(model_name: str = typer.Option("llama-3.1-70b", "--model"), prompt_len: int = 1024, output_len: int = 1024,
+            slo: str = typer.Option("ttft=2,tpot=0.1", help="p90 SLOs in seconds: ttft=..,tpot=.."),
+            num_requests: int = typer.Option(100, help="requests per simulated replica and rate"),
+            systems: str = typer.Option("", help="comma-separated SYSTEM:PRECISION:STACK (default: every vendor)"),
+            markdown: bool = typer.Option(False, help="print the docs/SIM.md table")) -> None:
+    """One workload on every system at its vendor's precision and stack: throughput, latency, $/1M tokens."""
+    from firstlight.sim.compare import DEFAULT_SYSTEMS, CompareSpec, evaluate_system, to_markdown
+    from firstlight.sim.sweep import parse_slo
+
+    ttft, tpot = parse_slo(slo)
+    spec = CompareSpec(model_name, prompt_len, output_len, ttft, tpot, num_requests)
+    todo = [tuple(x.split(":")) for x in systems.split(",") if x.strip()] if systems else DEFAULT_SYSTEMS
+    rows = []
+    for item in todo:
+        if len(item) != 3:
+            from firstlight.errors import FirstlightError
+
+            raise FirstlightError(f"--systems item {':'.join(item)!r}: expected SYSTEM:PRECISION:STACK")
+        rows.append(evaluate_system(*item, spec))
+        typer.echo(f"done {item[0]}", err=True)
+    typer.echo(to_markdown(rows, spec) if markdown else json.dumps(rows, indent=2, default=str))

@@ -27,6 +27,7 @@ from firstlight.core.hardware import DTYPE_BYTES, EfficiencySpec, HardwareSpec
 from firstlight.sim.collectives import collective_time
 from firstlight.sim.model import LayerGroup, Linear, ModelDesc
 from firstlight.sim.parallel import ParallelConfig, check_parallel, kv_shard
+from firstlight.sim.system import TPLink, tp_link
 
 
 @dataclass(frozen=True)
@@ -51,24 +52,32 @@ class CostModel:
         self.par = parallel or ParallelConfig()
         check_parallel(model, self.par)
         self.eff = efficiency or hw.efficiency
-        self.compute_dtype = compute_dtype or model.weight_dtype
-        self.flops_s = hw.flops_per_s(self.compute_dtype) * self.eff.compute
+        # per-group dtypes from the model's precision profile (uniform when the model has one dtype)
+        self.precision = model.profile
+        prec = self.precision
+        self.compute_dtype = compute_dtype or prec.math_dtype("mlp")
+        self.flops_by_group = {g: hw.flops_per_s(compute_dtype or prec.math_dtype(g)) * self.eff.compute
+                               for g in ("attention", "mlp", "lm_head", "sdpa")}
+        self.flops_s = self.flops_by_group["mlp"]
         self.mem_bw = hw.memory.bandwidth_bytes_per_s * self.eff.memory
         self.kernel_s = self.eff.kernel_overhead_us * 1e-6
         self.step_s = self.eff.step_overhead_us * 1e-6
-        self.wb = DTYPE_BYTES[model.weight_dtype]
-        self.ab = DTYPE_BYTES[model.act_dtype]
-        self.kvb = DTYPE_BYTES[model.kv_dtype]
+        self.wb_by_group = {g: DTYPE_BYTES[prec.weights(g)] for g in ("attention", "mlp", "experts", "lm_head")}
+        self.wb = self.wb_by_group["mlp"]
+        self.ab = DTYPE_BYTES[prec.activations]
+        self.kvb = DTYPE_BYTES[prec.kv_cache]
         self.flash_tile = flash_tile
         self.moe_imbalance = moe_imbalance
         self.collective_algorithm = collective_algorithm
         self.kv_shard = kv_shard(model, self.par)
+        self._system_links: dict[int, TPLink | None] = {}
         self._token_cache = lru_cache(maxsize=65536)(self._token_ops_time)
         self._logits_cache = lru_cache(maxsize=4096)(self._logits_time)
 
     # ---- primitives ---------------------------------------------------------------------------
-    def roofline(self, name: str, flops: float, nbytes: float, kernels: float = 1.0) -> OpCost:
-        tc = flops / self.flops_s
+    def roofline(self, name: str, flops: float, nbytes: float, kernels: float = 1.0,
+                 flops_s: float | None = None) -> OpCost:
+        tc = flops / (flops_s or self.flops_s)
         tm = nbytes / self.mem_bw
         over = kernels * self.kernel_s
         bound = "compute" if tc >= tm else "memory"
@@ -76,20 +85,33 @@ class CostModel:
             bound = "overhead"
         return OpCost(name, flops, nbytes, max(tc, tm) + over, bound)
 
-    def _linear(self, lin: Linear, m: float, shard: int, layers: int) -> OpCost:
+    def _linear(self, lin: Linear, m: float, shard: int, layers: int, group: str = "mlp") -> OpCost:
+        """`group`: attention | mlp | lm_head; picks the weight dtype and the math rate of the profile."""
         flops = 2.0 * m * lin.num_params / shard
-        nbytes = lin.num_params * self.wb / shard + m * (lin.in_features + lin.out_features / shard) * self.ab
-        c = self.roofline(lin.name, flops, nbytes)
+        wb = self.wb_by_group[group]
+        nbytes = lin.num_params * wb / shard + m * (lin.in_features + lin.out_features / shard) * self.ab
+        c = self.roofline(lin.name, flops, nbytes, flops_s=self.flops_by_group[group])
         return OpCost(lin.name, flops * layers, nbytes * layers, c.time_s * layers, c.bound)
 
-    def _comm_link(self) -> tuple[float, float]:
-        """(alpha, bandwidth) of the link TP collectives use: scale-up if the group fits in one domain."""
+    def _comm_link(self, group: int | None = None) -> tuple[float, float]:
+        """(alpha, bandwidth) a collective over `group` ranks (default: the TP group) sees.
+
+        With a `system` section in the spec the ring is routed over the box's own links (sim/system.py),
+        so a group that spans a slow inter-card link is priced on it; otherwise: scale-up if the group
+        fits in one domain, else scale-out.
+        """
+        group = self.par.tp if group is None else group
+        if group not in self._system_links:
+            self._system_links[group] = tp_link(self.hw, group)
+        sys_link = self._system_links[group]
+        overhead = self.eff.collective_overhead_us * 1e-6
+        if sys_link is not None:
+            return sys_link.alpha_s + overhead, sys_link.bandwidth * self.eff.network
         links = self.hw.links
-        link = links.scale_up if links.scale_up and self.par.tp <= links.scale_up.domain_size else links.scale_out
+        link = links.scale_up if links.scale_up and group <= links.scale_up.domain_size else links.scale_out
         if link is None:
             return 0.0, float("inf")
-        alpha = link.latency_s + self.eff.collective_overhead_us * 1e-6
-        return alpha, link.bandwidth_bytes_per_s * self.eff.network
+        return link.latency_s + overhead, link.bandwidth_bytes_per_s * self.eff.network
 
     def _allreduce(self, name: str, nbytes: float, count: int) -> OpCost:
         if self.par.tp == 1 or nbytes <= 0:
@@ -101,7 +123,7 @@ class CostModel:
     # ---- token-count-dependent ops (cached by m) ----------------------------------------------
     def _group_token_ops(self, g: LayerGroup, m: int) -> list[OpCost]:
         tp, L, h = self.par.tp, g.num_layers, self.model.hidden_size
-        ops = [self._linear(lin, m, tp, L) for lin in g.attn_linears]
+        ops = [self._linear(lin, m, tp, L, "attention") for lin in g.attn_linears]
         if g.moe is None:
             ops += [self._linear(lin, m, tp, L) for lin in g.mlp_linears]
             inter = g.mlp_linears[-1].in_features
@@ -135,12 +157,12 @@ class CostModel:
         per_rank = assignments / ep * self.moe_imbalance_factor(assignments, ep)
         active = local_experts * (1.0 - (1.0 - moe.top_k / moe.num_experts) ** m)
         flops = 2.0 * per_rank * moe.expert_params / shard
-        w_bytes = active * moe.expert_params * self.wb / shard
+        w_bytes = active * moe.expert_params * self.wb_by_group["experts"] / shard
         a_bytes = per_rank * sum(lin.in_features + lin.out_features / shard for lin in moe.expert_linears) * self.ab
-        c = self.roofline("moe_experts", flops, w_bytes + a_bytes, kernels=2)
+        c = self.roofline("moe_experts", flops, w_bytes + a_bytes, kernels=2, flops_s=self.flops_by_group["mlp"])
         t = c.time_s
         if ep > tp:  # experts live outside this TP group: dispatch + combine all-to-all
-            alpha, bw = self._comm_link()
+            alpha, bw = self._comm_link(ep)
             nbytes = m * moe.top_k * self.model.hidden_size * self.ab / ep
             t += 2 * collective_time("all_to_all", nbytes, ep, alpha, bw, "pairwise")
         return OpCost("moe_experts", flops * L, (w_bytes + a_bytes) * L, t * L, c.bound)
@@ -153,7 +175,7 @@ class CostModel:
         emb = m * self.model.hidden_size * self.ab
         ops.append(self.roofline("embedding", 0.0, 2 * emb))
         if self.par.pp > 1:
-            alpha, bw = self._comm_link()
+            alpha, bw = self._comm_link(self.par.tp * self.par.pp)
             t = (self.par.pp - 1) * (alpha + emb / bw)
             ops.append(OpCost("pp_send", 0.0, emb * (self.par.pp - 1), t, "network"))
         return ops
@@ -164,7 +186,7 @@ class CostModel:
     def logits_ops(self, num_seqs: int) -> list[OpCost]:
         """Final norm and LM head for the one position per sequence that is sampled."""
         lm = Linear("lm_head", self.model.hidden_size, self.model.vocab_size)
-        return [self._linear(lm, num_seqs, self.par.tp, 1)]
+        return [self._linear(lm, num_seqs, self.par.tp, 1, "lm_head")]
 
     def _logits_time(self, num_seqs: int) -> float:
         return sum(op.time_s for op in self.logits_ops(num_seqs))
@@ -203,7 +225,8 @@ class CostModel:
                 nbytes += kv_tok * keys_read + n * (qo_tok + kv_tok)
                 kernels += 1
             if kernels:
-                op = self.roofline("attention", flops, nbytes, kernels=min(kernels, 2))
+                op = self.roofline("attention", flops, nbytes, kernels=min(kernels, 2),
+                                   flops_s=self.flops_by_group["sdpa"])
                 ops.append(OpCost("attention", flops * L, nbytes * L, op.time_s * L, op.bound))
         return ops
 

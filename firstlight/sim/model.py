@@ -18,6 +18,7 @@ from typing import Any
 
 from firstlight.core.hardware import DTYPE_BYTES
 from firstlight.errors import FirstlightError
+from firstlight.sim.precision import PrecisionProfile, uniform
 
 
 class ModelConfigError(FirstlightError):
@@ -87,6 +88,12 @@ class ModelDesc:
     act_dtype: str = "bf16"
     max_position_embeddings: int | None = None
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
+    precision: PrecisionProfile | None = None  # per tensor group dtypes; None = uniform(weight, kv, act)
+
+    @property
+    def profile(self) -> PrecisionProfile:
+        """The precision profile in force: the explicit one, or the one the single dtypes imply."""
+        return self.precision or uniform(self.weight_dtype, self.kv_dtype, self.act_dtype)
 
     # ---- counts -------------------------------------------------------------------------------
     @property
@@ -133,13 +140,34 @@ class ModelDesc:
         layers = sum(g.num_layers * self.layer_params(g, active_only=True) for g in self.groups)
         return layers + self.embedding_params() + self.hidden_size
 
+    def params_by_group(self) -> dict[str, int]:
+        """Parameters per tensor group: attention, mlp (dense, shared experts, router), experts (routed),
+        embedding (input + untied LM head, final and per-layer norms). Sums to num_params()."""
+        out = {"attention": 0, "mlp": 0, "experts": 0, "embedding": self.embedding_params() + self.hidden_size}
+        for g in self.groups:
+            out["attention"] += g.num_layers * sum(lin.num_params for lin in g.attn_linears)
+            mlp = sum(lin.num_params for lin in g.mlp_linears)
+            if g.moe is not None:
+                mlp += sum(lin.num_params for lin in g.moe.shared_linears)
+                out["experts"] += g.num_layers * g.moe.num_experts * g.moe.expert_params
+            out["mlp"] += g.num_layers * mlp
+            out["embedding"] += g.num_layers * g.num_norm_params
+        return out
+
+    def weight_bytes_by_group(self) -> dict[str, float]:
+        """Bytes per tensor group at the profile's dtypes (embedding and norms at the LM head's dtype)."""
+        p = self.profile
+        dt = {"attention": p.weights("attention"), "mlp": p.weights("mlp"), "experts": p.weights("experts"),
+              "embedding": p.weights("lm_head")}
+        return {g: n * DTYPE_BYTES[dt[g]] for g, n in self.params_by_group().items()}
+
     def weight_bytes(self) -> float:
-        return self.num_params() * DTYPE_BYTES[self.weight_dtype]
+        return sum(self.weight_bytes_by_group().values())
 
     def kv_bytes_per_token(self) -> float:
         """KV cache bytes one token adds across all layers (sliding-window layers included, uncapped)."""
         elems = sum(g.num_layers * g.attention.kv_elems_per_token for g in self.groups)
-        return elems * DTYPE_BYTES[self.kv_dtype]
+        return elems * DTYPE_BYTES[self.profile.kv_cache]
 
     def kv_bytes_for_context(self, context_len: int) -> float:
         """KV bytes one sequence of `context_len` tokens holds (sliding-window layers keep only the window)."""
@@ -148,7 +176,7 @@ class ModelDesc:
             w = g.attention.sliding_window
             n = min(context_len, w) if w else context_len
             total += g.num_layers * g.attention.kv_elems_per_token * n
-        return total * DTYPE_BYTES[self.kv_dtype]
+        return total * DTYPE_BYTES[self.profile.kv_cache]
 
     def flops_per_token(self, context_len: int = 0) -> float:
         """Forward FLOPs of one token at a given context: 2 * active params (minus embedding gather) + attention."""
@@ -172,6 +200,7 @@ class ModelDesc:
             "num_active_params": self.num_active_params(),
             "num_experts": self.num_experts,
             "weight_dtype": self.weight_dtype,
+            "precision": self.profile.summary(),
             "weight_bytes": self.weight_bytes(),
             "kv_bytes_per_token": self.kv_bytes_per_token(),
             "flops_per_token_ctx0": self.flops_per_token(0),
@@ -279,7 +308,7 @@ def _windows(cfg: dict[str, Any], num_layers: int) -> list[int | None]:
 
 
 def model_from_config(cfg: dict[str, Any], name: str = "", where: str = "<config>", weight_dtype: str | None = None,
-                      kv_dtype: str | None = None) -> ModelDesc:
+                      kv_dtype: str | None = None, precision: PrecisionProfile | None = None) -> ModelDesc:
     """Describe a decoder-only model from its HF config dict (multimodal configs: the `text_config`)."""
     if not isinstance(cfg, dict):
         raise ModelConfigError(f"model config {where} must be a JSON object")
@@ -329,6 +358,10 @@ def model_from_config(cfg: dict[str, Any], name: str = "", where: str = "<config
         built.append(LayerGroup(count, att, attn_lins, mlp, moe, norms))
 
     wdt = weight_dtype or _dtype_name(_first(cfg, "torch_dtype", "dtype"))
+    if precision is not None:
+        if weight_dtype or kv_dtype:
+            raise ModelConfigError(f"model {where}: give a precision profile or weight/kv dtypes, not both")
+        wdt, kv_dtype = precision.attention_weights, precision.kv_cache
     return ModelDesc(
         name=name or str(_first(cfg, "_name_or_path", "model_type", default="model")),
         hidden_size=hidden,
@@ -339,16 +372,26 @@ def model_from_config(cfg: dict[str, Any], name: str = "", where: str = "<config
         kv_dtype=kv_dtype or (wdt if wdt in ("bf16", "fp16") else "bf16"),
         max_position_embeddings=cfg.get("max_position_embeddings"),
         meta={"architectures": cfg.get("architectures"), "model_type": cfg.get("model_type")},
+        act_dtype=precision.activations if precision is not None else "bf16",
+        precision=precision,
     )
 
 
-def load_model(path_or_name: str | Path, weight_dtype: str | None = None, kv_dtype: str | None = None) -> ModelDesc:
-    """A model from a config.json path, a checkpoint directory holding one, or a preset name."""
+def load_model(path_or_name: str | Path, weight_dtype: str | None = None, kv_dtype: str | None = None,
+               precision: PrecisionProfile | str | None = None) -> ModelDesc:
+    """A model from a config.json path, a checkpoint directory holding one, or a preset name.
+
+    `precision`: a profile (or its builtin name / YAML path) giving each tensor group its dtype."""
+    if isinstance(precision, (str, Path)):
+        from firstlight.sim.precision import load_precision
+
+        precision = load_precision(precision)
     from firstlight.sim.presets import PRESETS
 
     s = str(path_or_name)
     if s in PRESETS:
-        return model_from_config(PRESETS[s], name=s, where=f"preset {s}", weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+        return model_from_config(PRESETS[s], name=s, where=f"preset {s}", weight_dtype=weight_dtype, kv_dtype=kv_dtype,
+                                 precision=precision)
     p = Path(s)
     if p.is_dir():
         p = p / "config.json"
@@ -360,4 +403,5 @@ def load_model(path_or_name: str | Path, weight_dtype: str | None = None, kv_dty
         cfg = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise ModelConfigError(f"model config {p} is not valid JSON: {e}") from None
-    return model_from_config(cfg, name=p.parent.name or p.stem, where=str(p), weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+    return model_from_config(cfg, name=p.parent.name or p.stem, where=str(p), weight_dtype=weight_dtype, kv_dtype=kv_dtype,
+                             precision=precision)

@@ -77,15 +77,16 @@ def kv_shard(model: ModelDesc, par: ParallelConfig) -> int:
 
 
 def weight_bytes_per_device(model: ModelDesc, par: ParallelConfig) -> float:
-    wb = DTYPE_BYTES[model.weight_dtype]
-    expert = model.expert_params()
-    emb_one = model.vocab_size * model.hidden_size
-    emb = model.embedding_params()
-    body = model.num_params() - expert - emb
+    """Bytes of weights one device holds, each tensor group at its profile dtype."""
+    by = model.weight_bytes_by_group()
+    emb_bytes_per_param = by["embedding"] / model.params_by_group()["embedding"]
+    emb_one = model.vocab_size * model.hidden_size * emb_bytes_per_param
+    emb = model.embedding_params() * emb_bytes_per_param
+    body = by["attention"] + by["mlp"] + by["embedding"] - emb  # + norms
     expert_shard = par.ep if par.ep > 1 else par.tp
     # with pp > 1 the input embedding sits on the first stage and the LM head on the last
     emb_dev = (emb if par.pp == 1 else emb_one) / par.tp
-    return (body / (par.tp * par.pp) + expert / (expert_shard * par.pp) + emb_dev) * wb
+    return body / (par.tp * par.pp) + by["experts"] / (expert_shard * par.pp) + emb_dev
 
 
 def kv_bytes_per_token_per_device(model: ModelDesc, par: ParallelConfig) -> float:
@@ -95,7 +96,7 @@ def kv_bytes_per_token_per_device(model: ModelDesc, par: ParallelConfig) -> floa
 def activation_bytes_per_device(model: ModelDesc, par: ParallelConfig, max_num_batched_tokens: int,
                                 max_num_seqs: int) -> float:
     """Peak transient memory of one step: the widest intermediate plus fp32 logits (an estimate)."""
-    ab = DTYPE_BYTES[model.act_dtype]
+    ab = DTYPE_BYTES[model.profile.activations]
     widest = 0
     for g in model.groups:
         for lin in g.mlp_linears + g.attn_linears + (g.moe.shared_linears if g.moe else ()):

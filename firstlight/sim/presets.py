@@ -14,6 +14,24 @@ _LLAMA3_8B: dict[str, Any] = {
     "vocab_size": 128256, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "max_position_embeddings": 131072,
 }
 
+_QWEN3: dict[str, Any] = {
+    "model_type": "qwen3", "vocab_size": 151936, "head_dim": 128, "num_key_value_heads": 8,
+    "torch_dtype": "bfloat16", "max_position_embeddings": 40960, "tie_word_embeddings": False,
+}
+
+
+def _qwen3(repo: str, hidden: int, inter: int, layers: int, heads: int, tie: bool = False) -> dict[str, Any]:
+    return {**_QWEN3, "_name_or_path": repo, "hidden_size": hidden, "intermediate_size": inter,
+            "num_hidden_layers": layers, "num_attention_heads": heads, "tie_word_embeddings": tie}
+
+
+def _qwen3_moe(repo: str, hidden: int, inter: int, moe_inter: int, layers: int, heads: int, kv: int) -> dict[str, Any]:
+    return {**_QWEN3, "_name_or_path": repo, "model_type": "qwen3_moe", "hidden_size": hidden,
+            "intermediate_size": inter, "moe_intermediate_size": moe_inter, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": kv, "num_experts": 128, "num_experts_per_tok": 8,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 40960}
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-2-7b": {
         "_name_or_path": "meta-llama/Llama-2-7b-hf", "model_type": "llama", "hidden_size": 4096,
@@ -23,6 +41,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-2-70b": {
         "_name_or_path": "meta-llama/Llama-2-70b-hf", "model_type": "llama", "hidden_size": 8192,
         "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "vocab_size": 32000, "torch_dtype": "float16", "max_position_embeddings": 4096,
+    },
+    "llama-2-13b": {
+        "_name_or_path": "meta-llama/Llama-2-13b-hf", "model_type": "llama", "hidden_size": 5120,
+        "intermediate_size": 13824, "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 40,
         "vocab_size": 32000, "torch_dtype": "float16", "max_position_embeddings": 4096,
     },
     "llama-3.1-8b": _LLAMA3_8B,
@@ -44,6 +67,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
         "vocab_size": 32000, "num_local_experts": 8, "num_experts_per_tok": 2, "torch_dtype": "bfloat16",
     },
+    "mixtral-8x22b": {
+        "_name_or_path": "mistralai/Mixtral-8x22B-v0.1", "model_type": "mixtral", "hidden_size": 6144,
+        "intermediate_size": 16384, "num_hidden_layers": 56, "num_attention_heads": 48, "num_key_value_heads": 8,
+        "vocab_size": 32768, "num_local_experts": 8, "num_experts_per_tok": 2, "torch_dtype": "bfloat16",
+        "max_position_embeddings": 65536,
+    },
+    "qwen3-0.6b": _qwen3("Qwen/Qwen3-0.6B", 1024, 3072, 28, 16, tie=True),
+    "qwen3-1.7b": _qwen3("Qwen/Qwen3-1.7B", 2048, 6144, 28, 16, tie=True),
+    "qwen3-4b": _qwen3("Qwen/Qwen3-4B", 2560, 9728, 36, 32, tie=True),
+    "qwen3-8b": _qwen3("Qwen/Qwen3-8B", 4096, 12288, 36, 32),
+    "qwen3-14b": _qwen3("Qwen/Qwen3-14B", 5120, 17408, 40, 40),
+    "qwen3-32b": _qwen3("Qwen/Qwen3-32B", 5120, 25600, 64, 64),
+    "qwen3-30b-a3b": _qwen3_moe("Qwen/Qwen3-30B-A3B", 2048, 6144, 768, 48, 32, 4),
+    "qwen3-235b-a22b": _qwen3_moe("Qwen/Qwen3-235B-A22B", 4096, 12288, 1536, 94, 64, 4),
     "qwen1.5-moe-a2.7b": {
         "_name_or_path": "Qwen/Qwen1.5-MoE-A2.7B", "model_type": "qwen2_moe", "hidden_size": 2048,
         "intermediate_size": 5632, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,

@@ -14,6 +14,7 @@ from firstlight.sim.cost import CostModel
 from firstlight.sim.model import ModelDesc
 from firstlight.sim.parallel import ParallelConfig, plan_memory
 from firstlight.sim.serving import Replica, Requests, SchedulerConfig, SimConfigError, SimResult, simulate
+from firstlight.sim.stack import StackCost, load_stack
 from firstlight.sim.workload import Workload
 
 
@@ -37,6 +38,7 @@ class ServeConfig(BaseModel):
     kv_link: str = "scale_out"  # the link KV transfers cross: scale_up | scale_out
     slo_ttft_s: float = Field(default=2.0, gt=0)
     slo_tpot_s: float = Field(default=0.1, gt=0)
+    stack: str | None = None  # a serving-stack preset (sim/stacks/): graph padding, prefill buckets, batching mode
 
 
 def _percentiles(x: np.ndarray, weights: np.ndarray | None = None) -> dict[str, float]:
@@ -60,7 +62,12 @@ def _percentiles(x: np.ndarray, weights: np.ndarray | None = None) -> dict[str, 
 def run_serve(model: ModelDesc, hw: HardwareSpec, workload: Workload, cfg: ServeConfig,
               cost_kwargs: dict[str, Any] | None = None) -> tuple[dict[str, Any], SimResult]:
     par = ParallelConfig(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep)
-    cost = CostModel(model, hw, par, **(cost_kwargs or {}))
+    stack = load_stack(cfg.stack) if cfg.stack else None
+    kwargs = dict(cost_kwargs or {})
+    if stack is not None and stack.step_overhead_us is not None:
+        base = kwargs.get("efficiency") or hw.efficiency
+        kwargs["efficiency"] = base.model_copy(update={"step_overhead_us": stack.step_overhead_us})
+    cost = CostModel(model, hw, par, **kwargs)
     plan = plan_memory(model, hw, par, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.memory_utilization)
     kv_tokens = cfg.kv_capacity_tokens or plan.kv_capacity_tokens
     longest = int((workload.num_prompt_tokens + workload.num_output_tokens).max())
@@ -70,14 +77,17 @@ def run_serve(model: ModelDesc, hw: HardwareSpec, workload: Workload, cfg: Serve
             "raise tp/pp or memory_utilization, or shorten the workload"
         )
     sched = SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.block_size,
+                            enable_chunked_prefill=stack.enable_chunked_prefill if stack else True,
+                            inflight_batching=stack.inflight_batching if stack else True,
                             num_microbatches=cfg.num_microbatches or cfg.pp, pipeline_schedule=cfg.pipeline_schedule)
+    step_cost = StackCost(cost, stack) if stack is not None else cost
     reqs = Requests(workload)
     disagg = cfg.num_prefill_replicas > 0
     if disagg and cfg.num_decode_replicas < 1:
         raise SimConfigError("disaggregation needs num_decode_replicas >= 1 alongside num_prefill_replicas")
     n_front = cfg.num_prefill_replicas if disagg else cfg.num_replicas
-    front = [Replica(i, cost, sched, kv_tokens, reqs, "prefill" if disagg else "both") for i in range(n_front)]
-    back = [Replica(n_front + i, cost, sched, kv_tokens, reqs, "decode") for i in range(cfg.num_decode_replicas)] \
+    front = [Replica(i, step_cost, sched, kv_tokens, reqs, "prefill" if disagg else "both") for i in range(n_front)]
+    back = [Replica(n_front + i, step_cost, sched, kv_tokens, reqs, "decode") for i in range(cfg.num_decode_replicas)] \
         if disagg else None
     kv_transfer = None
     if disagg:
@@ -95,7 +105,10 @@ def run_serve(model: ModelDesc, hw: HardwareSpec, workload: Workload, cfg: Serve
     t0 = time.perf_counter()
     res = simulate(workload, front, cfg.router, back, kv_transfer)
     wall = time.perf_counter() - t0
-    return summarize(res, workload, cfg, hw, par, plan.to_dict() | {"kv_capacity_tokens": kv_tokens}, wall), res
+    result = summarize(res, workload, cfg, hw, par, plan.to_dict() | {"kv_capacity_tokens": kv_tokens}, wall)
+    result["precision"] = model.profile.summary()
+    result["stack"] = None if stack is None else {"name": stack.name, "source": stack.source}
+    return result, res
 
 
 def summarize(res: SimResult, wl: Workload, cfg: ServeConfig, hw: HardwareSpec, par: ParallelConfig,

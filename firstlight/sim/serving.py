@@ -38,6 +38,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     block_size: int = 16
     enable_chunked_prefill: bool = True
+    inflight_batching: bool = True  # False: new requests wait until the running batch drains (static batching)
     num_microbatches: int = 1  # with pp > 1: micro-batches each step is split into
     pipeline_schedule: str = "gpipe"  # gpipe (flush every step) | async (steps overlap, vLLM virtual engines)
 
@@ -174,7 +175,8 @@ class Replica:
             cost_chunks.append((n, done))
         # 3. new (or preempted, or transferred) requests
         reqs = self.reqs
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        admit = cfg.inflight_batching or not self.running
+        while admit and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             rid = self.waiting[0]
             if rid < 0:  # transferred KV: straight into decode
                 r = ~rid

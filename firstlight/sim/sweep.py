@@ -44,6 +44,8 @@ class SweepSpec:
     slo_ttft_s: float = 2.0
     slo_tpot_s: float = 0.1
     serve_kwargs: dict[str, Any] = field(default_factory=dict)
+    precision: str | None = None  # precision profile name or YAML path
+    stack: str | None = None  # serving-stack preset
 
 
 def parse_list(text: str, kind: type, what: str) -> list:
@@ -86,16 +88,20 @@ def evaluate(point: SweepPoint, spec: SweepSpec) -> dict[str, Any]:
     row: dict[str, Any] = {**asdict(point), "num_devices": point.tp * point.pp * spec.num_replicas}
     try:
         hw = load_spec(point.hw)
-        model = load_model(spec.model)
+        model = load_model(spec.model, precision=spec.precision)
         wl = make_workload(spec.num_requests, point.rate, spec.prompt_len, spec.output_len, spec.arrival,
                            len_dist=spec.len_dist, seed=spec.seed)
         cfg = ServeConfig(tp=point.tp, pp=point.pp, num_replicas=spec.num_replicas, slo_ttft_s=spec.slo_ttft_s,
                           slo_tpot_s=spec.slo_tpot_s, **spec.serve_kwargs)
+        if spec.stack:
+            from firstlight.sim.stack import apply_stack, load_stack
+
+            cfg = apply_stack(cfg, load_stack(spec.stack))
         result, _ = run_serve(model, hw, wl, cfg)
     except FirstlightError as e:
         return {**row, "fits": False, "reason": str(e)}
     ttft, tpot = result["ttft_s"].get("p90", float("nan")), result["tpot_s"].get("p90", float("nan"))
-    return {**row, "fits": True, "reason": "",
+    return {**row, "fits": True, "reason": "", "precision": model.profile.name, "stack": spec.stack,
             "ttft_p90_s": ttft, "tpot_p90_s": tpot,
             "output_tokens_per_s": result["throughput"]["output_tokens_per_s"],
             "goodput_fraction": result["goodput"]["fraction_meeting_slo"],

@@ -27,6 +27,14 @@ TRTLLM_OVERVIEW = ("NVIDIA/TensorRT-LLM docs/source/performance/perf-overview.md
                    "trtllm-bench throughput, infinite request rate, fixed ISL/OSL, Total Output Throughput")
 TRTLLM_V09 = ("NVIDIA/TensorRT-LLM docs/source/performance.md, 'Low Latency' tables (data generated with v0.9.0): "
               "batch 1, 1st token latency, gptSessionBenchmark with output length 1")
+TT_PERF = ("tenstorrent/tt-metal models/tt_transformers/PERF.md (commit 040a27c1), Performance table: batch 1, "
+           "t/s/u over 200 decode iterations, bfp4 MLP / bfp8 attention (the tt-performance profile)")
+INTEL_G2 = ("Intel, Model Performance Data for Intel Gaudi 2 (SynapseAI 1.18.0, HLS-Gaudi2): LLM throughput, fp8, "
+            "fixed batch, output tokens/s")
+INTEL_G3 = ("Intel, Model Performance Data for Intel Gaudi 3 (SynapseAI 1.18.0, HLS-Gaudi3): LLM throughput, fp8, "
+            "fixed batch, output tokens/s")
+OCI_MI300X = ("Oracle Cloud blog 'Serving Llama 3.1 405B model with AMD MI300X GPUs' (BM.GPU.MI300X.8, vLLM "
+              "benchmark_latency.py, FP8, 128 in / 128 out)")
 GPT_FAST = ("pytorch-labs/gpt-fast README: Mixtral 8x7B bf16, batch 1, tokens/s on 8xA100-80GB "
             "(power-limited to 330 W)")
 
@@ -41,17 +49,19 @@ class Row:
     predict: Callable[[], float]
 
 
-def _request_latency_s(model: str, hw: str, tp: int, batch: int, prompt: int, output: int) -> float:
+def _request_latency_s(model: str, hw: str, tp: int, batch: int, prompt: int, output: int,
+                       precision: str | None = None) -> float:
     """A static batch: one prefill step of all prompts, then output-1 decode steps."""
-    cm = CostModel(load_model(model), load_spec(hw), ParallelConfig(tp=tp))
+    cm = CostModel(load_model(model, precision=precision), load_spec(hw), ParallelConfig(tp=tp))
     t = cm.time(Batch(tuple(ScheduledSeq(f"p{i}", prompt, 0, prompt) for i in range(batch))))
     for k in range(1, output):
         t += cm.time(Batch(tuple(ScheduledSeq(f"p{i}", 1, prompt + k - 1, prompt) for i in range(batch))))
     return t
 
 
-def _decode_tokens_per_s(model: str, hw: str, tp: int, ep: int = 1, ctx: int = 64) -> float:
-    cm = CostModel(load_model(model), load_spec(hw), ParallelConfig(tp=tp, ep=ep))
+def _decode_tokens_per_s(model: str, hw: str, tp: int, ep: int = 1, ctx: int = 64, precision: str | None = None,
+                         ) -> float:
+    cm = CostModel(load_model(model, precision=precision), load_spec(hw), ParallelConfig(tp=tp, ep=ep))
     return 1.0 / cm.time(Batch((ScheduledSeq("r", 1, ctx, 5),)))
 
 
@@ -81,6 +91,22 @@ def _ttft_ms(model: str, hw: str, tp: int, isl: int, dtype: str) -> float:
     result, _ = run_serve(load_model(model, weight_dtype=dtype, kv_dtype=dtype), load_spec(hw), wl,
                           ServeConfig(tp=tp))
     return float(result["ttft_s"]["p50"]) * 1e3
+
+
+def _static_batch_tokens_per_s(model: str, hw: str, tp: int, isl: int, osl: int, batch: int) -> float:
+    """A fixed batch of `batch` equal requests queued at t=0 (max_num_seqs = batch): output tokens / makespan."""
+    wl = Workload(np.zeros(batch), np.full(batch, isl, dtype=np.int64), np.full(batch, osl, dtype=np.int64))
+    cfg = ServeConfig(tp=tp, max_num_seqs=batch, max_num_batched_tokens=max(8192, isl))
+    result, _ = run_serve(load_model(model, precision="fp8"), load_spec(hw), wl, cfg)
+    return float(result["throughput"]["output_tokens_per_s"])
+
+
+def _gaudi(model: str, hw: str, tp: int, isl: int, osl: int, batch: int) -> Callable[[], float]:
+    return lambda: _static_batch_tokens_per_s(model, hw, tp, isl, osl, batch)
+
+
+def _tt(model: str, hw: str, tp: int) -> Callable[[], float]:
+    return lambda: _decode_tokens_per_s(model, hw, tp, ctx=256, precision="tt-performance")
 
 
 def _trt(model: str, hw: str, tp: int, isl: int, osl: int, n: int) -> Callable[[], float]:
@@ -136,6 +162,37 @@ ROWS: list[Row] = [
         "throughput", "out tok/s", 898, TRTLLM_OVERVIEW, _trt("llama-3.1-70b", "h100-sxm", 2, 5000, 500, 1500)),
     Row("Llama-3.1-405B fp8, H200, TP8, 3000 req 1000 in / 1000 out, all queued at t=0", "throughput",
         "out tok/s", 3330, TRTLLM_OVERVIEW, _trt("llama-3.1-405b", "h200", 8, 1000, 1000, 3000)),
+    # ---- issue 17: other vendors --------------------------------------------------------------------------
+    Row("Llama-3.1-8B tt-performance decode, Wormhole n150, batch 1", "decode", "tok/s/u", 28.3, TT_PERF,
+        _tt("llama-3.1-8b", "wormhole-n150", 1)),
+    Row("Llama-3.1-8B tt-performance decode, Wormhole n300 (2 chips, TP2 on-card Ethernet), batch 1", "decode",
+        "tok/s/u", 44.2, TT_PERF, _tt("llama-3.1-8b", "wormhole-n300", 2)),
+    Row("Llama-3.1-8B tt-performance decode, T3K (8 chips, TP8 over Ethernet), batch 1", "decode", "tok/s/u", 64.3,
+        TT_PERF, _tt("llama-3.1-8b", "t3k", 8)),
+    Row("Llama-3.1-8B tt-performance decode, Blackhole p150, batch 1", "decode", "tok/s/u", 33.6, TT_PERF,
+        _tt("llama-3.1-8b", "blackhole-p150", 1)),
+    Row("Llama-3.1-70B tt-performance decode, T3K, TP8, batch 1", "decode", "tok/s/u", 16.6, TT_PERF,
+        _tt("llama-3.1-70b", "t3k", 8)),
+    Row("Llama-3.1-70B tt-performance decode, Galaxy (32 chips; tt-metal uses 2D TP, modeled as a TP32 ring), batch 1",
+        "decode", "tok/s/u", 12.7, TT_PERF, _tt("llama-3.1-70b", "galaxy-wormhole", 32)),
+    Row("Llama-3.1-8B fp8, Gaudi 2, 1 card, batch 289, 128 in / 2048 out", "throughput", "out tok/s", 11138, INTEL_G2,
+        _gaudi("llama-3.1-8b", "gaudi2", 1, 128, 2048, 289)),
+    Row("Llama-3.1-8B fp8, Gaudi 2, 1 card, batch 155, 2048 in / 2048 out", "throughput", "out tok/s", 5511, INTEL_G2,
+        _gaudi("llama-3.1-8b", "gaudi2", 1, 2048, 2048, 155)),
+    Row("Llama-2-70B fp8, Gaudi 2, 2 cards (TP2), batch 78, 2048 in / 2048 out", "throughput", "out tok/s", 1438,
+        INTEL_G2, _gaudi("llama-2-70b", "gaudi2-hls", 2, 2048, 2048, 78)),
+    Row("Llama-3.1-8B fp8, Gaudi 3, 1 card, batch 768, 128 in / 2048 out", "throughput", "out tok/s", 18830, INTEL_G3,
+        _gaudi("llama-3.1-8b", "gaudi3", 1, 128, 2048, 768)),
+    Row("Llama-3.1-8B fp8, Gaudi 3, 1 card, batch 364, 2048 in / 2048 out", "throughput", "out tok/s", 7405, INTEL_G3,
+        _gaudi("llama-3.1-8b", "gaudi3", 1, 2048, 2048, 364)),
+    Row("Llama-3.1-70B fp8, Gaudi 3, 2 cards (TP2), batch 175, 2048 in / 2048 out", "throughput", "out tok/s", 2588,
+        INTEL_G3, _gaudi("llama-3.1-70b", "gaudi3-hls", 2, 2048, 2048, 175)),
+    Row("Llama-3.1-70B fp8, Gaudi 3, 8 cards (TP8), batch 600, 128 in / 2048 out", "throughput", "out tok/s", 15711,
+        INTEL_G3, _gaudi("llama-3.1-70b", "gaudi3-hls", 8, 128, 2048, 600)),
+    Row("Llama-3.1-405B fp8, 8x MI300X (TP8), batch 1, 128 in / 128 out", "prefill+decode", "out tok/s", 36, OCI_MI300X,
+        lambda: 128 / _request_latency_s("llama-3.1-405b", "mi300x-x8", 8, 1, 128, 128, "fp8")),
+    Row("Llama-3.1-405B fp8, 8x MI300X (TP8), batch 32, 128 in / 128 out", "prefill+decode", "out tok/s", 798,
+        OCI_MI300X, lambda: 32 * 128 / _request_latency_s("llama-3.1-405b", "mi300x-x8", 8, 32, 128, 128, "fp8")),
     Row("all_reduce busbw, 8xH100 NVLink, ring, large messages", "collective", "GB/s", 370.0,
         "NVIDIA/nccl-tests issue #212 (NCCL maintainer: ~370 GB/s effective NVLink busbw with NCCL_ALGO=RING)",
         lambda: _busbw_gbps("h100-sxm")),
@@ -148,12 +205,22 @@ ROWS: list[Row] = [
 ]
 
 
+VENDOR_OF = {"tt-metal": "Tenstorrent", "Gaudi 2": "Intel", "Gaudi 3": "Intel", "MI300X": "AMD"}
+
+
+def _vendor(row: Row) -> str:
+    for key, vendor in VENDOR_OF.items():
+        if key in row.source:
+            return vendor
+    return "NVIDIA"
+
+
 def run_validation() -> list[dict[str, Any]]:
     out = []
     for r in ROWS:
         pred = r.predict()
         out.append({"what": r.what, "kind": r.kind, "unit": r.unit, "measured": r.measured, "predicted": pred,
-                    "error_pct": (pred - r.measured) / r.measured * 100, "source": r.source})
+                    "error_pct": (pred - r.measured) / r.measured * 100, "source": r.source, "vendor": _vendor(r)})
     return out
 
 
@@ -165,4 +232,8 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
     errs = sorted(abs(r["error_pct"]) for r in rows)
     lines.append("")
     lines.append(f"median |error| {errs[len(errs) // 2]:.1f}%, max |error| {errs[-1]:.1f}% over {len(rows)} rows")
+    lines += ["", "| vendor | rows | median abs error | max abs error |", "|---|---|---|---|"]
+    for vendor in sorted({r.get("vendor", "NVIDIA") for r in rows}):
+        e = sorted(abs(r["error_pct"]) for r in rows if r.get("vendor", "NVIDIA") == vendor)
+        lines.append(f"| {vendor} | {len(e)} | {e[len(e) // 2]:.1f}% | {e[-1]:.1f}% |")
     return "\n".join(lines)

@@ -6,7 +6,12 @@ import yaml
 from firstlight.core.hardware import HardwareSpecError, builtin_spec_names, load_spec, load_spec_file
 
 REQUIRED = ["a100-80gb", "h100-sxm", "h200", "b200", "mi300x", "tpu-v5e", "trainium2", "wormhole-n300",
-            "blackhole-p150", "cpu-host"]
+            "blackhole-p150", "cpu-host",
+            # issue 17: chips and systems a user asks about
+            "hgx-h100", "hgx-b200", "gb200-nvl72", "mi325x", "mi325x-x8", "mi350x", "mi350x-x8", "mi300x-x8",
+            "gaudi2", "gaudi2-hls", "gaudi3", "gaudi3-hls", "tpu-v5p", "tpu-v5p-64", "tpu-v6e", "tpu-v6e-8",
+            "inferentia2", "inf2-48xl", "trainium1", "trn1-32xl", "trn2-48xl", "wormhole-n150", "t3k",
+            "galaxy-wormhole", "blackhole-p150x4"]
 
 
 def test_all_required_specs_ship_and_validate():
@@ -15,7 +20,8 @@ def test_all_required_specs_ship_and_validate():
         assert n in names
         spec = load_spec(n)
         assert spec.memory.bandwidth_gbps > 0
-        assert spec.sources["compute_tflops"] and spec.sources["memory"]
+        assert spec.source_of("compute_tflops.bf16" if "bf16" in spec.compute_tflops else "compute_tflops.fp32")
+        assert spec.source_of("memory.bandwidth_gbps")
 
 
 def test_aliases_and_known_figures():

@@ -56,6 +56,16 @@ TINY: dict[str, dict[str, Any]] = {
             SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
         },
     },
+    # sparse MoE: few experts, top-2; a dense layer among the sparse ones where the family allows
+    "mixtral": {"tie_word_embeddings": False, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {
+        "tie_word_embeddings": False, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48, "norm_topk_prob": False, "mlp_only_layers": [2],
+    },
+    "qwen3_moe": {
+        "tie_word_embeddings": False, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "norm_topk_prob": True, "decoder_sparse_step": 2,
+    },
 }
 ALIASES = {"gemma3": "gemma3_text"}
 SPECIAL = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
@@ -99,7 +109,9 @@ def _tokenizer(vocab_size: int) -> Any:
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     for name, p in sorted(model.named_parameters()):
-        if p.ndim == 2 and "embed" in name:
+        if p.ndim == 3:  # stacked experts [X, out, in]
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[2]))
+        elif p.ndim == 2 and "embed" in name:
             p.copy_(torch.randn(p.shape, generator=gen))
         elif p.ndim == 2:
             p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))

@@ -30,9 +30,14 @@ FUSED = {
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
+def _prefix(ours: str) -> str:
+    # the LM head and Qwen3-Next's MTP layers sit beside `model.`, not in it
+    return "" if ours.startswith(("lm_head", "mtp.")) or ours == "mtp" else "model."
+
+
 def hf_name(ours: str) -> list[str]:
     """The HF tensor names that make up one of our tensors (several for a fused one)."""
-    prefix = "" if ours.startswith("lm_head") else "model."
+    prefix = _prefix(ours)
     for fused, parts in FUSED.items():
         marker = f".{fused}."
         if marker in ours:
@@ -43,7 +48,7 @@ def hf_name(ours: str) -> list[str]:
 
 def hf_module_name(ours: str) -> str:
     """HF module path for one of our module paths (fused modules map to their first part)."""
-    prefix = "" if ours.startswith("lm_head") else "model."
+    prefix = _prefix(ours)
     for fused, parts in FUSED.items():
         if ours.endswith(fused):
             return prefix + ours[: -len(fused)] + parts[0]

@@ -191,8 +191,11 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
+        # Qwen3-Next's gated attention: q_proj also yields a per-head output gate, [q_h | gate_h] per head
+        self.output_gate = cfg.attn_output_gate
+        self.q_proj_size = self.q_size * (2 if self.output_gate else 1)
         # One matmul for q, k and v: a decode step reads the weights once, in one kernel.
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_proj_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -207,8 +210,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         batch, seq, _ = x.shape  # x: [B, S, E]
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)  # q: [B, H, S, D]
+        q, k, v = qkv.split([self.q_proj_size, self.kv_size, self.kv_size], dim=-1)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(batch, seq, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(batch, seq, self.q_size)
+        q = q.reshape(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)  # q: [B, H, S, D]
         k = k.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # k: [B, Hkv, S, D]
         v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # v: [B, Hkv, S, D]
         if self.q_norm is not None:
@@ -220,7 +227,10 @@ class Attention(nn.Module):
             q, k, v, attn_mask=None if causal else mask, is_causal=causal, scale=self.scale,
             enable_gqa=self.num_kv_heads != self.num_heads,
         )  # out: [B, H, S, D]
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.q_size))
+        out = out.transpose(1, 2).reshape(batch, seq, self.q_size)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
 
 
 class GatedMLP(nn.Module):

@@ -7,6 +7,7 @@ generation_config.json. Every way this can go wrong ends in a ModelLoadError tha
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 from pathlib import Path
@@ -128,6 +129,7 @@ def load_model(
     cfg = load_config(ckpt)
     torch_dtype = parse_dtype(dtype)
     tensors = _Tensors(_weight_files(ckpt))
+    cfg = _with_mtp_layers(cfg, tensors.names())
     model = build_model(cfg, torch_dtype, device)
     expected = dict(model.state_dict())
     if cfg.tie_word_embeddings:
@@ -158,6 +160,15 @@ def load_model(
     model.eval().requires_grad_(False)
     tokenizer = load_tokenizer(ckpt) if with_tokenizer else None
     return model, tokenizer
+
+
+def _with_mtp_layers(cfg: ModelConfig, names: set[str]) -> ModelConfig:
+    """Hub Qwen3-Next configs may omit `num_nextn_predict_layers` while the files carry `mtp.layers.i.*`:
+    count them, so the MTP weights load (and checked like every other tensor) instead of being rejected."""
+    if cfg.model_type != "qwen3_next" or cfg.num_mtp_layers:
+        return cfg
+    found = {int(n.split(".")[2]) for n in names if n.startswith("mtp.layers.")}
+    return dataclasses.replace(cfg, num_mtp_layers=max(found) + 1) if found else cfg
 
 
 def _check_expert_count(ckpt: Path, cfg: ModelConfig, names: set[str]) -> None:

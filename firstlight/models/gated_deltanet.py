@@ -65,26 +65,28 @@ def chunked_delta_rule(
     k_to_end = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)  # a write's decay until the chunk end
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [B, H, N, 1, 1]
 
-    out = torch.empty(batch, heads, n, chunk, dv, dtype=v.dtype, device=v.device)
+    # outputs collected and stacked (no preallocated buffer: every op's output is a defined value,
+    # which op-level verification compares)
+    outs = []
     for i in range(n):  # the sequential part: one state hand-off per chunk
         v_new = u[:, :, i] - w[:, :, i] @ state  # what the state does not predict yet: [B, H, C, Dv]
-        out[:, :, i] = q_decayed[:, :, i] @ state + attn[:, :, i] @ v_new
+        outs.append(q_decayed[:, :, i] @ state + attn[:, :, i] @ v_new)
         state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ v_new
-    return out.reshape(batch, heads, n * chunk, dv)[:, :, :seq], state
+    return torch.stack(outs, dim=2).reshape(batch, heads, n * chunk, dv)[:, :, :seq], state
 
 
 def recurrent_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrence token by token (decode: S = 1). Same shapes as `chunked_delta_rule`."""
-    out = torch.empty_like(v)
+    outs = []
     for t in range(q.shape[2]):
         state = state * g[:, :, t].exp()[..., None, None]
         predicted = (state * k[:, :, t].unsqueeze(-1)).sum(-2)  # S^T k: [B, H, Dv]
         delta = (v[:, :, t] - predicted) * beta[:, :, t].unsqueeze(-1)
         state = state + k[:, :, t].unsqueeze(-1) * delta.unsqueeze(-2)
-        out[:, :, t] = (state * q[:, :, t].unsqueeze(-1)).sum(-2)
-    return out, state
+        outs.append((state * q[:, :, t].unsqueeze(-1)).sum(-2))
+    return torch.stack(outs, dim=2), state
 
 
 class GatedRMSNorm(nn.Module):

@@ -323,7 +323,14 @@ class CausalLM(nn.Module):
             if rope.kind == "dynamic":
                 inv_freq = dynamic_ntk_inv_freq(rope, self.config.head_dim, positions)
             tables[t] = rope_cos_sin(inv_freq.to(positions.device), positions, dtype, rope.cos_sin_scale)
-        return tables
+        return self._alias_state_layers(tables)
+
+    def _alias_state_layers(self, per_type: dict) -> dict:
+        """Recurrent layer types (linear attention) use no rope and no mask; they get the full-attention
+        entry so that code indexing by layer type (verify's units) works for every layer."""
+        for t in set(self.config.layer_types) - set(per_type):
+            per_type[t] = per_type["full_attention"]
+        return per_type
 
     def masks(
         self, positions: torch.Tensor, key_positions: torch.Tensor, allow_shortcuts: bool = False
@@ -332,4 +339,5 @@ class CausalLM(nn.Module):
         tensors unless allow_shortcuts (see attention_mask)."""
         cfg = self.config
         window = {t: cfg.sliding_window if t == "sliding_attention" else None for t in self.inv_freq}
-        return {t: attention_mask(positions, key_positions, window[t], allow_shortcuts) for t in self.inv_freq}
+        masks = {t: attention_mask(positions, key_positions, window[t], allow_shortcuts) for t in self.inv_freq}
+        return self._alias_state_layers(masks)

@@ -7,6 +7,7 @@ background thread for the server. Requests come in as text or token ids; outputs
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,7 +24,10 @@ from firstlight.engine.runner import ModelRunner
 from firstlight.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from firstlight.engine.scheduler import Scheduler, SchedulerConfig
 from firstlight.engine.speculative.config import SpecConfig
+from firstlight.engine.state_slots import PREFIX_CACHING_OFF_REASON, HybridCacheManager
 from firstlight.errors import FirstlightError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -103,10 +107,26 @@ class LLMEngine:
                 f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                 f"{mcfg.max_position_embeddings}; lower it"
             )
+        # hybrid models: one recurrent state slot per running request, next to the KV blocks
+        num_slots = config.max_num_seqs if mcfg.state_layers else 0
+        self.prefix_caching_off_reason: str | None = None
+        if num_slots:
+            if config.speculative is not None:
+                raise FirstlightError(
+                    f"speculative decoding is not supported for {mcfg.model_type} yet: its recurrent layers "
+                    "would need their state rolled back for rejected proposals; drop --speculative"
+                )
+            if config.enable_prefix_caching:
+                self.prefix_caching_off_reason = PREFIX_CACHING_OFF_REASON
+                logger.warning("%s (%s)", PREFIX_CACHING_OFF_REASON, mcfg.model_type)
+        state_bytes = num_slots * ModelRunner.state_bytes_per_slot(model)
         num_blocks = config.num_blocks or max(
-            1, config.kv_cache_bytes // ModelRunner.kv_bytes_per_block(model, config.block_size)
+            1, (config.kv_cache_bytes - state_bytes) // ModelRunner.kv_bytes_per_block(model, config.block_size)
         )
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        if num_slots:
+            self.kv: KVCacheManager = HybridCacheManager(num_blocks, config.block_size, num_slots)
+        else:
+            self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -119,8 +139,10 @@ class LLMEngine:
         device = next(model.parameters()).device
         self.runner = ModelRunner(
             model, num_blocks, config.block_size, device, config.compile_decode,
-            max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+            max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len, num_state_slots=num_slots,
         )
+        if num_slots:
+            self.runner.state_slot_of = self.kv.slot_of.__getitem__  # type: ignore[attr-defined]
         self.sampler = Sampler(config.seed)
         self.spec = None
         if config.speculative is not None:

@@ -25,6 +25,7 @@ compute exactly what they would unpadded, up to float rounding of the compiled k
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -37,7 +38,8 @@ from firstlight.engine.request import Request
 
 
 class PagedKVCache:
-    """One forward's view of the pools: where to write new K/V and what to gather per row."""
+    """One forward's view of the pools: where to write new K/V and what to gather per row, and (hybrid
+    models) which recurrent state slot each row reads and writes."""
 
     def __init__(
         self,
@@ -47,8 +49,12 @@ class PagedKVCache:
         write_rows: torch.Tensor,
         gather_slots: torch.Tensor,
         key_positions: torch.Tensor,
+        state_pools: dict[int, tuple[torch.Tensor, ...]] | None = None,
+        state_slots: torch.Tensor | None = None,
     ) -> None:
         self.k_pools, self.v_pools = k_pools, v_pools
+        self.state_pools = state_pools or {}  # layer -> (conv pool, recurrent pool), [slots, ...] each
+        self.state_slots = state_slots  # [B] the slot of each row
         self.write_slots = write_slots  # [N] pool slots of the valid new tokens
         self.write_rows = write_rows  # [N] their index in the flattened [B*S] new tokens
         self.gather_slots = gather_slots  # [B, L]
@@ -76,6 +82,16 @@ class PagedKVCache:
 
     def end(self) -> None:
         pass
+
+    def get_state(self, layer: int) -> tuple[torch.Tensor, ...] | None:
+        # a fresh request's slot was zeroed by the runner, so every row reads its state from the pool
+        assert self.state_slots is not None, "a recurrent layer ran without state slots"
+        return tuple(pool.index_select(0, self.state_slots) for pool in self.state_pools[layer])
+
+    def set_state(self, layer: int, *state: torch.Tensor) -> None:
+        assert self.state_slots is not None
+        for pool, new in zip(self.state_pools[layer], state, strict=True):
+            pool.index_copy_(0, self.state_slots, new.to(pool.dtype))
 
 
 @dataclass
@@ -181,6 +197,7 @@ class ModelRunner:
         compile_decode: bool = False,
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
+        num_state_slots: int = 0,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -191,8 +208,17 @@ class ModelRunner:
         # one slot past the last block: where a compiled decode's padding rows write their K/V
         self.scratch_slot = num_blocks * block_size
         shape = (num_blocks * block_size + 1, cfg.num_kv_heads, cfg.head_dim)
-        self.k_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
-        self.v_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
+        kv_layers = set(cfg.kv_layers)
+        # recurrent layers keep no K/V: an empty pool keeps the list indexed by layer
+        self.k_pools = [self._pool(shape if i in kv_layers else (0,)) for i in range(cfg.num_layers)]
+        self.v_pools = [self._pool(shape if i in kv_layers else (0,)) for i in range(cfg.num_layers)]
+        # recurrent layers: one state slot per running request (+1 scratch slot for padding rows)
+        self.num_state_slots = num_state_slots
+        self.state_pools = {
+            layer: tuple(self._pool((num_state_slots + 1, *s), dt) for s, dt in self.state_shapes(model))
+            for layer in (cfg.state_layers if num_state_slots else ())
+        }
+        self.state_slot_of: Callable[[str], int] | None = None  # request id -> its slot (the cache manager's)
         self.keep_hidden = False  # a heads proposer needs the hidden states that sampled
         self._forward: Callable[..., torch.Tensor] = model.forward_hidden
         self.compile_decode = compile_decode
@@ -212,11 +238,31 @@ class ModelRunner:
         """Graphs compiled so far for this model's decode (shared by every runner over the model)."""
         return self._compiled.num_compiles if self._compiled is not None else 0
 
+    def _pool(self, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype or self.dtype, device=self.device)
+
     @staticmethod
     def kv_bytes_per_block(model: torch.nn.Module, block_size: int) -> int:
         cfg = model.config
         itemsize = next(model.parameters()).element_size()
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+        return 2 * len(cfg.kv_layers) * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+    @staticmethod
+    def state_shapes(model: torch.nn.Module) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Per recurrent layer, the shape and dtype of each state of one request: the conv inputs
+        [C, K-1] (model dtype) and the delta-rule state [Hv, Dk, Dv] (fp32, as the mixer keeps it)."""
+        la = model.config.linear_attn
+        if la is None:
+            return []
+        dtype = next(model.parameters()).dtype
+        return [((la.conv_dim, la.conv_kernel - 1), dtype),
+                ((la.num_v_heads, la.k_head_dim, la.v_head_dim), torch.float32)]
+
+    @staticmethod
+    def state_bytes_per_slot(model: torch.nn.Module) -> int:
+        """Recurrent-state bytes of one request over all its recurrent layers."""
+        per_layer = sum(math.prod(shape) * dtype.itemsize for shape, dtype in ModelRunner.state_shapes(model))
+        return per_layer * len(model.config.state_layers)
 
     @torch.inference_mode()
     def execute(self, batch: Batch, requests: dict[str, Request]) -> ExecuteOutput:
@@ -246,6 +292,7 @@ class ModelRunner:
         input_ids = torch.tensor([_input_ids(requests[s.request_id], s) for s in seqs], dtype=torch.long)  # [B, S]
         starts = torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.long)
         positions = starts[:, None] + torch.arange(num_tokens)  # [B, S]
+        self._reset_fresh_states(seqs)
         if num_tokens == 1 and self.compile_decode:
             hidden = self._run_compiled_decode(seqs, input_ids, positions)
         else:
@@ -293,6 +340,18 @@ class ModelRunner:
         hidden = self._compiled(self.model, self.max_decode_graphs, input_ids.to(dev), positions.to(dev), cache)
         return hidden[:num_rows]  # [B, 1, E]
 
+    def _reset_fresh_states(self, seqs: list[ScheduledSeq]) -> None:
+        """Zero the state slots of rows that start from token 0 (new, or resumed after preemption)."""
+        if not self.state_pools:
+            return
+        assert self.state_slot_of is not None
+        fresh = [self.state_slot_of(s.request_id) for s in seqs if s.num_computed_tokens == 0]
+        if fresh:
+            index = torch.tensor(fresh, device=self.device)
+            for pools in self.state_pools.values():
+                for pool in pools:
+                    pool.index_fill_(0, index, 0)
+
     def _make_cache(
         self, seqs: list[ScheduledSeq], positions: torch.Tensor, num_keys: int | None = None
     ) -> PagedKVCache:
@@ -316,6 +375,11 @@ class ModelRunner:
             key_positions = torch.cat([key_positions, key_positions.new_full((pad, num_keys), -1)])
             write_slots = torch.cat([write_slots, write_slots.new_full((pad, positions.shape[1]), self.scratch_slot)])
         dev = self.device
+        state_slots = None
+        if self.state_pools:
+            assert self.state_slot_of is not None
+            slots = [self.state_slot_of(s.request_id) for s in seqs] + [self.num_state_slots] * pad
+            state_slots = torch.tensor(slots, device=dev)
         return PagedKVCache(
             self.k_pools,
             self.v_pools,
@@ -323,4 +387,6 @@ class ModelRunner:
             torch.arange(write_slots.numel(), device=dev),
             gather_slots.to(dev),
             key_positions.to(dev),
+            self.state_pools,
+            state_slots,
         )

@@ -8,6 +8,7 @@ per layer type) are filled in once, here, so the model code never re-derives the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,9 @@ from firstlight.errors import ModelLoadError, UnknownModelError
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+LINEAR = "linear_attention"  # Gated DeltaNet (Qwen3-Next): a fixed-size recurrent state, no KV
+ATTENTION_TYPES = (FULL, SLIDING)
+STATE_TYPES = (LINEAR,)  # layer types that keep a per-request recurrent state instead of KV
 
 # model_type -> "module:Class" of its family (firstlight/models/<module>.py)
 FAMILIES: dict[str, str] = {
@@ -23,8 +27,13 @@ FAMILIES: dict[str, str] = {
     "qwen2": "dense:DenseDecoder",
     "qwen3": "dense:DenseDecoder",
     "gemma3_text": "gemma3:Gemma3",
+    "mixtral": "moe:MoEDecoder",
+    "qwen2_moe": "moe:MoEDecoder",
+    "qwen3_moe": "moe:MoEDecoder",
+    "qwen3_next": "qwen3_next:Qwen3Next",
 }
-ROPE_KINDS = ("default", "llama3", "linear")
+ROPE_KINDS = ("default", "llama3", "linear", "yarn", "dynamic")
+
 
 
 @dataclass(frozen=True)
@@ -32,17 +41,92 @@ class RopeConfig:
     """Rotary embedding frequencies for one layer type (RoFormer, Su et al. 2021)."""
 
     theta: float
-    kind: str = "default"  # default | llama3 (Llama 3.1 frequency-dependent scaling) | linear
+    # default | llama3 (Llama 3.1 frequency-dependent scaling) | linear | yarn (Peng et al. 2023)
+    # | dynamic (NTK-aware base growth past the trained length, per forward)
+    kind: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    partial_rotary_factor: float = 1.0  # rotate only this fraction of each head (Qwen3-Next: 0.25)
+    # YaRN: the ramp between interpolated and extrapolated frequencies, and the cos/sin scale
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None  # None: derived from factor (and mscale / mscale_all_dim)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ROPE_KINDS:
             raise ModelLoadError(
                 f"rope_type '{self.kind}' is not supported; supported: {', '.join(ROPE_KINDS)}"
             )
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise ModelLoadError(f"partial_rotary_factor must lie in (0, 1], got {self.partial_rotary_factor}")
+
+    def rotary_dim(self, head_dim: int) -> int:
+        return int(head_dim * self.partial_rotary_factor)
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """The factor YaRN multiplies cos and sin by (1 for every other kind)."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+
+        def get_mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return get_mscale(self.factor, self.mscale) / get_mscale(self.factor, self.mscale_all_dim)
+        return get_mscale(self.factor)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Sparse mixture-of-experts MLPs (Shazeer et al. 2017; Mixtral, Qwen-MoE)."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    intermediate_size: int  # per routed expert
+    norm_topk_prob: bool  # renormalize the top-k router probabilities to sum to 1
+    sparse_layers: tuple[bool, ...]  # per layer: MoE block (True) or a dense MLP
+    shared_expert_intermediate_size: int = 0  # 0: none; else one always-on expert behind a sigmoid gate
+    fp32_routing_weights: bool = False  # Mixtral keeps the top-k weights in fp32; Qwen casts to the model dtype
+    experts_field: str = "num_experts"  # the config.json field, for error messages
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1:
+            raise ModelLoadError(f"config field '{self.experts_field}' must be >= 1, got {self.num_experts}")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ModelLoadError(
+                f"config field 'num_experts_per_tok' ({self.num_experts_per_tok}) must lie in "
+                f"[1, {self.experts_field}={self.num_experts}]; fix config.json"
+            )
+
+
+@dataclass(frozen=True)
+class LinearAttnConfig:
+    """Gated DeltaNet token mixer (Yang et al. 2024, "Gated Delta Networks"), as in Qwen3-Next."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int  # causal depthwise conv over q/k/v, its state keeps conv_kernel - 1 columns
+
+    def __post_init__(self) -> None:
+        if self.num_v_heads % self.num_k_heads:
+            raise ModelLoadError(
+                f"config field 'linear_num_value_heads' ({self.num_v_heads}) must be a multiple of "
+                f"'linear_num_key_heads' ({self.num_k_heads})"
+            )
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
 
 
 @dataclass(frozen=True)
@@ -70,11 +154,24 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEConfig | None = None
+    linear_attn: LinearAttnConfig | None = None
+    attn_output_gate: bool = False  # Qwen3-Next: attention output * sigmoid(gate), gate from q_proj
+    num_mtp_layers: int = 0  # native multi-token-prediction layers shipped with the checkpoint
     hf: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # the source dict
 
     @property
     def family(self) -> str:
         return FAMILIES[self.model_type]
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """Layers that keep K/V (attention); the rest keep a recurrent state."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t in ATTENTION_TYPES)
+
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t in STATE_TYPES)
 
     def window(self, layer: int) -> int | None:
         """Sliding-window size of a layer, or None for full attention."""
@@ -98,31 +195,63 @@ class ModelConfig:
             raise ModelLoadError(f"{source}: invalid value ({e})") from e
 
 
-def _rope(params: dict[str, Any] | None, theta: float) -> RopeConfig:
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _rope(params: dict[str, Any] | None, theta: float, cfg: dict[str, Any]) -> RopeConfig:
     params = dict(params or {})
     kind = params.get("rope_type", params.get("type", "default"))
+    max_pos = int(cfg.get("max_position_embeddings", 4096))
+    # dynamic NTK grows the base past the trained length, which is max_position_embeddings itself
+    default_orig = max_pos if kind == "dynamic" else 8192
+    factor = params.get("factor")
+    if factor is None and kind == "yarn" and "original_max_position_embeddings" in params:
+        factor = max_pos / float(params["original_max_position_embeddings"])  # DeepSeek-style yarn
     return RopeConfig(
         theta=float(params.get("rope_theta", theta)),
         kind=kind,
-        factor=float(params.get("factor", 1.0)),
+        factor=float(1.0 if factor is None else factor),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", default_orig)),
+        partial_rotary_factor=float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=_opt_float(params.get("attention_factor")),
+        mscale=_opt_float(params.get("mscale")),
+        mscale_all_dim=_opt_float(params.get("mscale_all_dim")),
     )
 
 
 def _layer_types(model_type: str, cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    allowed = (FULL, SLIDING, LINEAR) if model_type == "qwen3_next" else (FULL, SLIDING)
     if cfg.get("layer_types"):
         types = tuple(cfg["layer_types"])
-        if len(types) != num_layers or any(t not in (FULL, SLIDING) for t in types):
-            raise ValueError(f"layer_types must list {num_layers} of '{FULL}'/'{SLIDING}', got {types}")
+        unknown = sorted({t for t in types if t not in allowed})
+        if unknown:
+            raise ValueError(
+                f"config field 'layer_types' has unknown layer type(s) {unknown} for {model_type}; "
+                f"allowed: {list(allowed)}"
+            )
+        if len(types) != num_layers:
+            raise ValueError(f"config field 'layer_types' must list {num_layers} layers, got {len(types)}")
         return types
     window = cfg.get("sliding_window")
+    if model_type == "qwen3_next":
+        interval = int(cfg.get("full_attention_interval", 4))
+        return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers))
     if model_type == "gemma3_text":
         pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
         return tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers))
-    if model_type == "mistral" and window:
+    if model_type in ("mistral", "mixtral") and window:
         return (SLIDING,) * num_layers
+    if model_type == "qwen3_moe" and cfg.get("use_sliding_window") and window:
+        return (SLIDING,) * num_layers
+    if model_type == "qwen2_moe" and cfg.get("use_sliding_window") and window:
+        first = int(cfg.get("max_window_layers", num_layers))
+        return tuple(SLIDING if (i + 1) % 2 and i < first else FULL for i in range(num_layers))
     if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and window:
         first = int(cfg.get("max_window_layers", num_layers))
         return tuple(SLIDING if i >= first else FULL for i in range(num_layers))
@@ -130,6 +259,8 @@ def _layer_types(model_type: str, cfg: dict[str, Any], num_layers: int) -> tuple
 
 
 def _parse(model_type: str, cfg: dict[str, Any]) -> ModelConfig:
+    if model_type == "qwen3_next":
+        cfg = {"partial_rotary_factor": 0.25, **cfg}  # transformers' default for this family
     hidden = int(cfg["hidden_size"])
     num_heads = int(cfg["num_attention_heads"])
     num_layers = int(cfg["num_hidden_layers"])
@@ -144,9 +275,9 @@ def _parse(model_type: str, cfg: dict[str, Any]) -> ModelConfig:
     rp = cfg.get("rope_parameters")
     theta = float(cfg.get("rope_theta", 10000.0))
     if rp and (FULL in rp or SLIDING in rp):
-        rope = {t: _rope(rp.get(t), theta) for t in (FULL, SLIDING) if t in rp}
+        rope = {t: _rope(rp.get(t), theta, cfg) for t in (FULL, SLIDING) if t in rp}
     else:
-        full = _rope(rp if rp else cfg.get("rope_scaling"), theta)
+        full = _rope(rp if rp else cfg.get("rope_scaling"), theta, cfg)
         rope = {FULL: full}
         if gemma:
             rope[SLIDING] = RopeConfig(theta=float(cfg.get("rope_local_base_freq", 10000.0)))
@@ -162,6 +293,10 @@ def _parse(model_type: str, cfg: dict[str, Any]) -> ModelConfig:
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     attention_bias = bool(cfg.get("attention_bias", False))
+    qwen2_like = model_type in ("qwen2", "qwen2_moe")
+    max_pos = int(cfg.get("max_position_embeddings", 4096))
+    if rope[FULL].kind == "dynamic":  # the context dynamic NTK scaling is made for
+        max_pos = int(max_pos * rope[FULL].factor)
     return ModelConfig(
         model_type=model_type,
         vocab_size=int(cfg["vocab_size"]),
@@ -171,15 +306,16 @@ def _parse(model_type: str, cfg: dict[str, Any]) -> ModelConfig:
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        max_position_embeddings=max_pos,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-        # Qwen2 always has q/k/v biases and never an o bias; the others follow attention_bias.
-        qkv_bias=True if model_type == "qwen2" else attention_bias,
-        o_bias=False if model_type == "qwen2" else attention_bias,
+        # Qwen2(-MoE) has q/k/v biases (always / per qkv_bias) and never an o bias; the others follow
+        # attention_bias.
+        qkv_bias=bool(cfg.get("qkv_bias", True)) if qwen2_like else attention_bias,
+        o_bias=False if qwen2_like else attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "qwen3_next"),
         layer_types=layer_types,
         rope=rope,
         sliding_window=int(cfg["sliding_window"]) if SLIDING in layer_types else None,
@@ -187,5 +323,52 @@ def _parse(model_type: str, cfg: dict[str, Any]) -> ModelConfig:
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        moe=_moe(model_type, cfg, num_layers),
+        linear_attn=_linear_attn(cfg) if LINEAR in layer_types else None,
+        attn_output_gate=model_type == "qwen3_next",
+        num_mtp_layers=int(cfg.get("num_nextn_predict_layers", 0)) if model_type == "qwen3_next" else 0,
         hf=dict(cfg),
+    )
+
+
+def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> MoEConfig | None:
+    """Which layers are sparse and how they route, as each family's HF decoder layer decides it."""
+    if model_type == "mixtral":
+        return MoEConfig(
+            num_experts=int(cfg.get("num_local_experts", 8)),
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2)),
+            intermediate_size=int(cfg["intermediate_size"]),
+            norm_topk_prob=True,  # Mixtral always renormalizes the top-k
+            sparse_layers=(True,) * num_layers,
+            fp32_routing_weights=True,
+            experts_field="num_local_experts",
+        )
+    if model_type not in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
+        return None
+    # hub checkpoints say num_experts; transformers 5 writes some families back as num_local_experts
+    field_name = "num_experts" if "num_experts" in cfg or "num_local_experts" not in cfg else "num_local_experts"
+    num_experts = int(cfg[field_name])
+    step = int(cfg.get("decoder_sparse_step", 1))
+    dense_only = set(cfg.get("mlp_only_layers") or ())
+    sparse = tuple(i not in dense_only and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
+    return MoEConfig(
+        num_experts=num_experts,
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type == "qwen3_next")),
+        sparse_layers=sparse,
+        shared_expert_intermediate_size=(
+            0 if model_type == "qwen3_moe" else int(cfg["shared_expert_intermediate_size"])
+        ),
+        experts_field=field_name,
+    )
+
+
+def _linear_attn(cfg: dict[str, Any]) -> LinearAttnConfig:
+    return LinearAttnConfig(
+        num_k_heads=int(cfg["linear_num_key_heads"]),
+        num_v_heads=int(cfg["linear_num_value_heads"]),
+        k_head_dim=int(cfg["linear_key_head_dim"]),
+        v_head_dim=int(cfg["linear_value_head_dim"]),
+        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
     )

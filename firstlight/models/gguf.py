@@ -122,6 +122,11 @@ def _architecture(meta: dict[str, Any], path: Path) -> str:
         raise UnknownModelError(
             f"{path}: GGUF architecture '{arch}' is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
         )
+    if int(meta.get(f"{arch}.expert_count") or 0) > 0:  # e.g. Mixtral, which llama.cpp writes as arch llama
+        raise UnknownModelError(
+            f"{path}: GGUF architecture '{arch}' with experts ({arch}.expert_count = {meta[f'{arch}.expert_count']}) "
+            "is not supported yet; convert the HF checkpoint instead (MoE families load from HF dirs)"
+        )
     return str(arch)
 
 

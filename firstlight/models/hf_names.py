@@ -1,9 +1,17 @@
-"""Mapping between HF checkpoint tensor names and ours.
+"""Mapping between HF tensor names and ours, in two steps.
 
-Ours drop the `model.` prefix and fuse two groups of projections (one matmul each in decode):
+1. Ours ↔ transformers' in-memory names (`hf_name`, what the verify harness reads from the reference).
+   Ours drop the `model.` prefix and fuse groups of projections (one matmul each in decode):
     self_attn.{q,k,v}_proj.{weight,bias}  →  self_attn.qkv_proj.{weight,bias}   (concatenated on dim 0)
     mlp.{gate,up}_proj.{weight,bias}      →  mlp.gate_up_proj.{weight,bias}
-Everything else keeps its HF name.
+    mlp.shared_expert.{gate,up}_proj      →  mlp.shared_expert.gate_up_proj
+   Everything else keeps its HF name; routed experts are stacked in memory by transformers as by us
+   (`mlp.experts.gate_up_proj` [X, 2I, E], `mlp.experts.down_proj` [X, E, I]).
+
+2. In-memory ↔ checkpoint-file names (`checkpoint_names`): transformers 5 converts at load time, and
+   writes the classic layout back on save. The files keep one tensor per expert:
+    qwen*_moe:  mlp.experts.{i}.{gate,up,down}_proj.weight
+    mixtral:    block_sparse_moe.experts.{i}.{w1,w3,w2}.weight  (gate, up, down), block_sparse_moe.gate
 """
 
 from __future__ import annotations
@@ -16,14 +24,20 @@ import torch
 FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "shared_expert.gate_up_proj": ("shared_expert.gate_proj", "shared_expert.up_proj"),
 }
 # Tensors some checkpoints carry that are derived at run time, not weights.
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
+def _prefix(ours: str) -> str:
+    # the LM head and Qwen3-Next's MTP layers sit beside `model.`, not in it
+    return "" if ours.startswith(("lm_head", "mtp.")) or ours == "mtp" else "model."
+
+
 def hf_name(ours: str) -> list[str]:
     """The HF tensor names that make up one of our tensors (several for a fused one)."""
-    prefix = "" if ours.startswith("lm_head") else "model."
+    prefix = _prefix(ours)
     for fused, parts in FUSED.items():
         marker = f".{fused}."
         if marker in ours:
@@ -34,20 +48,57 @@ def hf_name(ours: str) -> list[str]:
 
 def hf_module_name(ours: str) -> str:
     """HF module path for one of our module paths (fused modules map to their first part)."""
-    prefix = "" if ours.startswith("lm_head") else "model."
+    prefix = _prefix(ours)
     for fused, parts in FUSED.items():
         if ours.endswith(fused):
             return prefix + ours[: -len(fused)] + parts[0]
     return prefix + ours
 
 
+# file names of one expert's (gate, up, down) projection, per family
+_EXPERT_FILE_NAMES = {
+    "mixtral": ("block_sparse_moe.experts.{i}.w1", "block_sparse_moe.experts.{i}.w3", "block_sparse_moe.experts.{i}.w2"),
+}
+_QWEN_EXPERT = ("mlp.experts.{i}.gate_proj", "mlp.experts.{i}.up_proj", "mlp.experts.{i}.down_proj")
+EXPERT_FILE_INDEX = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
+
+
+def checkpoint_names(hf: str, model_type: str, num_experts: int) -> list[str] | list[list[str]]:
+    """The checkpoint-file tensors an in-memory HF tensor is built from: for stacked experts a list
+    per expert (stacked on a new dim 0) of parts concatenated on dim 0; else the one file name."""
+    head, sep, tail = hf.partition(".mlp.")
+    if not sep:
+        return [hf]
+    gate, up, down = _EXPERT_FILE_NAMES.get(model_type, _QWEN_EXPERT)
+    if tail in ("experts.gate_up_proj", "experts.down_proj"):
+        parts = (gate, up) if tail == "experts.gate_up_proj" else (down,)
+        return [[f"{head}.{p.format(i=i)}.weight" for p in parts] for i in range(num_experts)]
+    if model_type == "mixtral" and tail == "gate.weight":
+        return [f"{head}.block_sparse_moe.gate.weight"]
+    return [hf]
+
+
 def build_state_dict(
-    our_names: list[str], get_hf: Callable[[str], torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """Our state dict from HF tensors fetched by name (`get_hf` raises KeyError for a missing one)."""
-    out = {}
+    our_names: list[str],
+    get_hf: Callable[[str], torch.Tensor],
+    model_type: str = "",
+    num_experts: int = 0,
+    has: Callable[[str], bool] = lambda n: True,
+) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Our state dict from checkpoint tensors fetched by name (`get_hf` raises for a missing one),
+    and the checkpoint names it used. `has` says whether the file holds a name as is (in-memory
+    layout); otherwise the per-expert file layout of `checkpoint_names` is read."""
+    out, used = {}, set()
     for name in our_names:
-        parts = [get_hf(n) for n in hf_name(name)]
+        parts = []
+        for hf in hf_name(name):
+            names = [hf] if has(hf) else checkpoint_names(hf, model_type, num_experts)
+            if isinstance(names[0], list):  # per-expert files: [X, ...]
+                used.update(n for group in names for n in group)
+                parts.append(torch.stack([torch.cat([get_hf(n) for n in group], dim=0) for group in names]))
+            else:
+                used.update(names)
+                parts.append(get_hf(names[0]))
         out[name] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-    return out
+    return out, used
 

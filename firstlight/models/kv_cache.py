@@ -6,6 +6,13 @@ A model's forward takes `positions` and a `KVCache`. Per forward pass:
     k_all, v_all = cache.update(layer, k, v)      # in every attention layer
     cache.end()                                   # once, after the layers
 
+Layers with a recurrent state instead of K/V (linear attention, SSM) read and write it through
+
+    state = cache.get_state(layer)                # None: a fresh sequence (the mixer starts from zeros)
+    cache.set_state(layer, *state)                # after the pass: the state after its last token
+
+so a chunked prefill carries the state from chunk to chunk, as attention layers carry their K/V.
+
 `positions[b, s]` is the absolute position of new token s of row b, or -1 for padding.
 `key_positions[b, j]` is the absolute position of key j in the tensors `update` returns, or -1 where
 that slot holds no key. The model builds its masks from (positions, key_positions, sliding window),
@@ -33,6 +40,14 @@ class KVCache(Protocol):
         """Commit the pass (advance lengths)."""
         ...
 
+    def get_state(self, layer: int) -> tuple[torch.Tensor, ...] | None:
+        """A recurrent layer's state per row before this pass, or None if the rows start fresh."""
+        ...
+
+    def set_state(self, layer: int, *state: torch.Tensor) -> None:
+        """Store a recurrent layer's state after this pass."""
+        ...
+
 
 class NoCache:
     """Attend only over the tokens of this pass (a plain full forward)."""
@@ -44,6 +59,12 @@ class NoCache:
         return k, v
 
     def end(self) -> None:
+        pass
+
+    def get_state(self, layer: int) -> tuple[torch.Tensor, ...] | None:
+        return None
+
+    def set_state(self, layer: int, *state: torch.Tensor) -> None:
         pass
 
 
@@ -69,6 +90,7 @@ class ContiguousKVCache:
         self.max_len = max_len
         self.length = 0  # tokens committed
         self._new = 0  # tokens in the pass being run
+        self.states: dict[int, tuple[torch.Tensor, ...]] = {}  # recurrent layers: state after `length` tokens
 
     def begin(self, positions: torch.Tensor) -> torch.Tensor:
         batch, new = positions.shape
@@ -87,3 +109,9 @@ class ContiguousKVCache:
     def end(self) -> None:
         self.length += self._new
         self._new = 0
+
+    def get_state(self, layer: int) -> tuple[torch.Tensor, ...] | None:
+        return self.states.get(layer)
+
+    def set_state(self, layer: int, *state: torch.Tensor) -> None:
+        self.states[layer] = state

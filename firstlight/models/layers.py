@@ -52,11 +52,15 @@ class GemmaRMSNorm(nn.Module):
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies [D/2], with Llama-3.1 or linear position scaling applied."""
-    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
-    inv_freq = 1.0 / (rope.theta ** (steps / head_dim))
+    """Inverse frequencies [Dr/2] (Dr = the rotated dims), with Llama-3.1, linear or YaRN position
+    scaling applied. Dynamic NTK's depend on the sequence length: see `dynamic_ntk_inv_freq`."""
+    dim = rope.rotary_dim(head_dim)
+    steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float()
+    inv_freq = 1.0 / (rope.theta ** (steps / dim))
     if rope.kind == "linear":
         return inv_freq / rope.factor
+    if rope.kind == "yarn":
+        return _yarn_inv_freq(rope, dim)
     if rope.kind == "llama3":
         # Llama 3.1: low frequencies are divided by `factor`, high ones kept, a smooth blend between.
         old_len = rope.original_max_position_embeddings
@@ -71,13 +75,54 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
+def _yarn_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension"): high frequencies kept
+    (extrapolated), low ones divided by `factor` (interpolated), a linear ramp between the dims that
+    turn beta_fast and beta_slow times over the original context. As transformers' `_compute_yarn_parameters`."""
+    base, factor, orig = rope.theta, rope.factor, rope.original_max_position_embeddings
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(orig / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    # explicit cpu: models are built under torch.device("meta"), and these are not parameters
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+
+
+def dynamic_ntk_inv_freq(rope: RopeConfig, head_dim: int, positions: torch.Tensor) -> torch.Tensor:
+    """Dynamic NTK scaling: per row, the base grows with the row's length once it passes the trained
+    length, base' = base * (factor * len / orig - (factor - 1)) ^ (Dr / (Dr - 2)) (bloc97/emozilla, as
+    transformers' `_compute_dynamic_ntk_parameters`, which takes len = the largest position + 1 of a
+    forward). Returns [B, 1, Dr/2] for positions [B, S]. Each row scales by its own length, so a
+    batched engine gives every request what it would get alone."""
+    dim = rope.rotary_dim(head_dim)
+    orig = rope.original_max_position_embeddings
+    seq_len = (positions.amax(dim=-1, keepdim=True) + 1).clamp(min=orig).float()  # [B, 1]
+    base = rope.theta * ((rope.factor * seq_len / orig) - (rope.factor - 1)) ** (dim / (dim - 2))
+    steps = torch.arange(0, dim, 2, dtype=torch.int64, device=positions.device).float() / dim
+    return 1.0 / (base.unsqueeze(-1) ** steps)  # [B, 1, Dr/2]
+
+
 def rope_cos_sin(
-    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [B, 1, S, D] for positions [B, S], computed in fp32 and cast to the model dtype."""
-    freqs = positions.float().unsqueeze(-1) * inv_freq  # [B, S, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [B, S, D]
-    return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
+    """cos, sin: [B, 1, S, Dr] for positions [B, S], computed in fp32 and cast to the model dtype.
+
+    inv_freq: [Dr/2], or [B, 1, Dr/2] per row (dynamic NTK); `scale` multiplies both (YaRN)."""
+    freqs = positions.float().unsqueeze(-1) * inv_freq  # [B, S, Dr/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [B, S, Dr]
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -86,8 +131,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, H, S, D] rotated by the (half-split, GPT-NeoX layout) rotary embedding."""
-    return x * cos + rotate_half(x) * sin
+    """x: [B, H, S, D] rotated by the (half-split, GPT-NeoX layout) rotary embedding; with partial
+    rotary (cos: [.., Dr], Dr < D) only the first Dr dims rotate, the rest pass through."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
 
 
 CAUSAL = "causal"  # mask sentinel: plain causal attention over exactly the new tokens
@@ -141,8 +191,11 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
+        # Qwen3-Next's gated attention: q_proj also yields a per-head output gate, [q_h | gate_h] per head
+        self.output_gate = cfg.attn_output_gate
+        self.q_proj_size = self.q_size * (2 if self.output_gate else 1)
         # One matmul for q, k and v: a decode step reads the weights once, in one kernel.
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_proj_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -157,8 +210,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         batch, seq, _ = x.shape  # x: [B, S, E]
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)  # q: [B, H, S, D]
+        q, k, v = qkv.split([self.q_proj_size, self.kv_size, self.kv_size], dim=-1)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(batch, seq, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(batch, seq, self.q_size)
+        q = q.reshape(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)  # q: [B, H, S, D]
         k = k.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # k: [B, Hkv, S, D]
         v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # v: [B, Hkv, S, D]
         if self.q_norm is not None:
@@ -170,17 +227,20 @@ class Attention(nn.Module):
             q, k, v, attn_mask=None if causal else mask, is_causal=causal, scale=self.scale,
             enable_gqa=self.num_kv_heads != self.num_heads,
         )  # out: [B, H, S, D]
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.q_size))
+        out = out.transpose(1, 2).reshape(batch, seq, self.q_size)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
 
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)), with gate and up fused into one matmul."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.intermediate = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=cfg.mlp_bias)
         if cfg.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden activation '{cfg.hidden_act}' not supported: {sorted(ACTIVATIONS)}")
         self.act = ACTIVATIONS[cfg.hidden_act]
@@ -207,7 +267,8 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # Kept in fp32 outside the module's buffers, so casting the model to bf16 leaves them exact.
-        self.inv_freq = {t: rope_inv_freq(cfg.rope[t], cfg.head_dim) for t in sorted(set(cfg.layer_types))}
+        attn_types = sorted(set(cfg.layer_types) & {"full_attention", "sliding_attention"})
+        self.inv_freq = {t: rope_inv_freq(cfg.rope[t], cfg.head_dim) for t in attn_types}
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [B, S, E]."""
@@ -256,9 +317,20 @@ class CausalLM(nn.Module):
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """cos/sin per layer type, computed once per forward and shared by the layers."""
-        return {
-            t: rope_cos_sin(inv_freq.to(positions.device), positions, dtype) for t, inv_freq in self.inv_freq.items()
-        }
+        tables = {}
+        for t, inv_freq in self.inv_freq.items():
+            rope = self.config.rope[t]
+            if rope.kind == "dynamic":
+                inv_freq = dynamic_ntk_inv_freq(rope, self.config.head_dim, positions)
+            tables[t] = rope_cos_sin(inv_freq.to(positions.device), positions, dtype, rope.cos_sin_scale)
+        return self._alias_state_layers(tables)
+
+    def _alias_state_layers(self, per_type: dict) -> dict:
+        """Recurrent layer types (linear attention) use no rope and no mask; they get the full-attention
+        entry so that code indexing by layer type (verify's units) works for every layer."""
+        for t in set(self.config.layer_types) - set(per_type):
+            per_type[t] = per_type["full_attention"]
+        return per_type
 
     def masks(
         self, positions: torch.Tensor, key_positions: torch.Tensor, allow_shortcuts: bool = False
@@ -267,4 +339,5 @@ class CausalLM(nn.Module):
         tensors unless allow_shortcuts (see attention_mask)."""
         cfg = self.config
         window = {t: cfg.sliding_window if t == "sliding_attention" else None for t in self.inv_freq}
-        return {t: attention_mask(positions, key_positions, window[t], allow_shortcuts) for t in self.inv_freq}
+        masks = {t: attention_mask(positions, key_positions, window[t], allow_shortcuts) for t in self.inv_freq}
+        return self._alias_state_layers(masks)

@@ -7,6 +7,7 @@ generation_config.json. Every way this can go wrong ends in a ModelLoadError tha
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 from pathlib import Path
@@ -17,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 
 from firstlight.errors import ModelLoadError
 from firstlight.models.config import ModelConfig
-from firstlight.models.hf_names import IGNORED, build_state_dict, hf_name
+from firstlight.models.hf_names import EXPERT_FILE_INDEX, IGNORED, build_state_dict
 from firstlight.models.layers import CausalLM
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -128,6 +129,7 @@ def load_model(
     cfg = load_config(ckpt)
     torch_dtype = parse_dtype(dtype)
     tensors = _Tensors(_weight_files(ckpt))
+    cfg = _with_mtp_layers(cfg, tensors.names())
     model = build_model(cfg, torch_dtype, device)
     expected = dict(model.state_dict())
     if cfg.tie_word_embeddings:
@@ -138,14 +140,15 @@ def load_model(
             raise ModelLoadError(f"{ckpt}: tensor {name} is missing from the checkpoint (config: {cfg.model_type}, {cfg.num_layers} layers)")
         return tensors.get(name)
 
-    state = build_state_dict(list(expected), get_hf)
+    _check_expert_count(ckpt, cfg, tensors.names())
+    num_experts = cfg.moe.num_experts if cfg.moe is not None else 0
+    state, used = build_state_dict(list(expected), get_hf, cfg.model_type, num_experts, tensors.where.__contains__)
     for name, tensor in state.items():
         want = tuple(expected[name].shape)
         if tuple(tensor.shape) != want:
             raise ModelLoadError(
                 f"{ckpt}: tensor {name} has shape {list(tensor.shape)} in the checkpoint but the config implies {list(want)}"
             )
-    used = {hf for name in state for hf in hf_name(name)}
     if cfg.tie_word_embeddings:
         used.add("lm_head.weight")
     extra = sorted(n for n in tensors.names() - used if not IGNORED.match(n))
@@ -157,6 +160,35 @@ def load_model(
     model.eval().requires_grad_(False)
     tokenizer = load_tokenizer(ckpt) if with_tokenizer else None
     return model, tokenizer
+
+
+def _with_mtp_layers(cfg: ModelConfig, names: set[str]) -> ModelConfig:
+    """Hub Qwen3-Next configs may omit `num_nextn_predict_layers` while the files carry `mtp.layers.i.*`:
+    count them, so the MTP weights load (and checked like every other tensor) instead of being rejected."""
+    if cfg.model_type != "qwen3_next" or cfg.num_mtp_layers:
+        return cfg
+    found = {int(n.split(".")[2]) for n in names if n.startswith("mtp.layers.")}
+    return dataclasses.replace(cfg, num_mtp_layers=max(found) + 1) if found else cfg
+
+
+def _check_expert_count(ckpt: Path, cfg: ModelConfig, names: set[str]) -> None:
+    """Per-expert tensors in the files must number exactly what the config says, in every MoE layer."""
+    found: dict[int, int] = {}
+    for n in names:
+        m = EXPERT_FILE_INDEX.match(n)
+        if m:
+            layer, expert = int(m.group(1)), int(m.group(2))
+            found[layer] = max(found.get(layer, 0), expert + 1)
+    if not found:
+        return
+    if cfg.moe is None:
+        raise ModelLoadError(f"{ckpt}: checkpoint has expert tensors but {cfg.model_type} has no experts")
+    for layer, count in sorted(found.items()):
+        if count != cfg.moe.num_experts:
+            raise ModelLoadError(
+                f"{ckpt}/config.json: field '{cfg.moe.experts_field}' is {cfg.moe.num_experts} but the checkpoint "
+                f"has {count} experts in layer {layer}; fix the config or use the matching checkpoint"
+            )
 
 
 def load_tokenizer(path: str | Path) -> Any:

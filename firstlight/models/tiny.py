@@ -56,6 +56,26 @@ TINY: dict[str, dict[str, Any]] = {
             SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
         },
     },
+    # sparse MoE: few experts, top-2; a dense layer among the sparse ones where the family allows
+    "mixtral": {"tie_word_embeddings": False, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {
+        "tie_word_embeddings": False, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48, "norm_topk_prob": False, "mlp_only_layers": [2],
+    },
+    "qwen3_moe": {
+        "tie_word_embeddings": False, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "norm_topk_prob": True, "decoder_sparse_step": 2,
+    },
+    # hybrid: 3 Gated DeltaNet layers per gated full-attention layer, MoE with a shared expert (one
+    # dense layer), partial rope, grouped value heads, and one MTP layer (added by `_add_mtp_weights`)
+    "qwen3_next": {
+        "tie_word_embeddings": False, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48, "norm_topk_prob": True, "mlp_only_layers": [1],
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "num_nextn_predict_layers": 1,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    },
 }
 ALIASES = {"gemma3": "gemma3_text"}
 SPECIAL = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
@@ -99,7 +119,9 @@ def _tokenizer(vocab_size: int) -> Any:
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     for name, p in sorted(model.named_parameters()):
-        if p.ndim == 2 and "embed" in name:
+        if p.ndim == 3:  # stacked experts [X, out, in]
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[2]))
+        elif p.ndim == 2 and "embed" in name:
             p.copy_(torch.randn(p.shape, generator=gen))
         elif p.ndim == 2:
             p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
@@ -107,6 +129,33 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             p.copy_(0.1 * torch.randn(p.shape, generator=gen))
         else:  # norm weights: around 1 for Llama-style, around 0 for Gemma's (1 + w)
             p.copy_(0.2 * torch.randn(p.shape, generator=gen) + p)
+
+
+@torch.no_grad()
+def _add_mtp_weights(out: Path, cfg: dict[str, Any], seed: int) -> None:
+    """transformers has no MTP module: write `mtp.*` as the hub checkpoints lay it out (fc, two pre-fc
+    norms, full-attention decoder layers, a norm), the layers drawn by a one-layer HF model."""
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    n = int(cfg["num_nextn_predict_layers"])
+    one = {**cfg, "num_hidden_layers": n, "layer_types": ["full_attention"] * n, "mlp_only_layers": []}
+    layer_model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**one), dtype=torch.float32)
+    _randomize(layer_model, seed + 1)
+    gen = torch.Generator().manual_seed(seed + 2)
+    e = cfg["hidden_size"]
+    tensors = load_file(out / "model.safetensors")
+    with tempfile.TemporaryDirectory() as tmp:
+        layer_model.save_pretrained(tmp, safe_serialization=True)
+        for name, t in load_file(Path(tmp) / "model.safetensors").items():
+            if name.startswith("model.layers."):
+                tensors["mtp." + name.removeprefix("model.")] = t
+    tensors["mtp.fc.weight"] = torch.randn(e, 2 * e, generator=gen) / math.sqrt(2 * e)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = 0.2 * torch.randn(e, generator=gen)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
 
 
 def write_tiny_checkpoint(out_dir: str | Path, family: str = "llama", seed: int = 0, **overrides: Any) -> Path:
@@ -125,6 +174,8 @@ def write_tiny_checkpoint(out_dir: str | Path, family: str = "llama", seed: int 
     model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
     _randomize(model, seed)
     model.save_pretrained(out, safe_serialization=True)
+    if cfg.get("num_nextn_predict_layers"):
+        _add_mtp_weights(out, cfg, seed)
     tok = PreTrainedTokenizerFast(
         tokenizer_object=_tokenizer(cfg["vocab_size"]),
         bos_token="<s>", eos_token="<|im_end|>", pad_token="<pad>",

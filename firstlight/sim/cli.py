@@ -134,7 +134,14 @@ def fit(hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1, ep: int
     m = _load(model_name, precision, announce=False)
     plan = plan_memory(m, load_spec(hw), ParallelConfig(tp=tp, pp=pp, ep=ep),
                        max_num_batched_tokens, max_num_seqs, memory_utilization)
-    _print_json({**plan.to_dict(), "precision": m.profile.name})
+    # linear-attention/SSM layers: a fixed state per sequence beside the per-token KV (layers split by pp)
+    state = m.state_bytes_per_seq() / tp / pp
+    out = plan.to_dict()
+    if state:
+        free = plan.capacity_bytes - plan.weight_bytes - plan.activation_bytes - state * max_num_seqs
+        out["kv_capacity_tokens"] = int(free // plan.kv_bytes_per_token) if plan.kv_bytes_per_token else 10**12
+    _print_json({**out, "precision": m.profile.name, "state_bytes_per_seq": state,
+                 "state_gb_at_max_num_seqs": state * max_num_seqs / 1024**3})
 
 
 @app.command()

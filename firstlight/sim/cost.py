@@ -199,6 +199,9 @@ class CostModel:
         heads_shard = self.par.tp
         T = self.flash_tile
         for g in self.model.groups:
+            if g.linear is not None:
+                ops += self._scan_ops(g, num_decode, prefill_chunks)
+                continue
             a = g.attention
             L = g.num_layers
             kv_tok = a.kv_elems_per_token / self.kv_shard * self.kvb
@@ -229,6 +232,21 @@ class CostModel:
                                    flops_s=self.flops_by_group["sdpa"])
                 ops.append(OpCost("attention", flops * L, nbytes * L, op.time_s * L, op.bound))
         return ops
+
+    def _scan_ops(self, g: LayerGroup, num_decode: int, prefill_chunks: list[tuple[int, int]]) -> list[OpCost]:
+        """A linear-attention group: the recurrence over every new token, reading and writing each
+        sequence's state once per step (fp32, heads sharded by tp); no KV, so no context term."""
+        la = g.linear
+        assert la is not None
+        num_tokens = num_decode + sum(n for n, _ in prefill_chunks)
+        num_seqs = num_decode + len(prefill_chunks)
+        if not num_tokens:
+            return []
+        flops = la.scan_flops_per_token * num_tokens / self.par.tp
+        nbytes = 2 * 4 * la.state_elems * num_seqs / self.par.tp
+        op = self.roofline("linear_attention_scan", flops, nbytes, kernels=1 + bool(prefill_chunks))
+        L = g.num_layers
+        return [OpCost("linear_attention_scan", flops * L, nbytes * L, op.time_s * L, op.bound)]
 
     # ---- whole step ---------------------------------------------------------------------------
     def step_time(self, num_tokens: int, num_seqs: int, num_decode: int = 0, decode_ctx_sum: float = 0.0,

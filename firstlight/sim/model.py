@@ -65,6 +65,33 @@ class MoEDesc:
 
 
 @dataclass(frozen=True)
+class LinearAttnDesc:
+    """A linear-attention (Gated DeltaNet) token mixer: a fixed-size state per sequence, no KV cache."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
+
+    @property
+    def state_elems(self) -> int:
+        """Elements of one sequence's state: the delta-rule matrix per value head + the conv inputs."""
+        return self.num_v_heads * self.k_head_dim * self.v_head_dim + self.conv_dim * (self.conv_kernel - 1)
+
+    @property
+    def scan_flops_per_token(self) -> int:
+        """The recurrence per token and value head on S [Dk, Dv] (Yang et al. 2024, eq. 5): decay (1),
+        S^T k (2), rank-1 write (2) and the read S^T q (2) = 7 Dk Dv; the chunked prefill form does the
+        same work plus O(chunk) intra-chunk terms, ignored here."""
+        return 7 * self.num_v_heads * self.k_head_dim * self.v_head_dim
+
+
+@dataclass(frozen=True)
 class LayerGroup:
     """`num_layers` identical decoder layers."""
 
@@ -74,6 +101,7 @@ class LayerGroup:
     mlp_linears: tuple[Linear, ...]  # dense MLP, or the router for MoE layers
     moe: MoEDesc | None = None
     num_norm_params: int = 0
+    linear: LinearAttnDesc | None = None  # a linear-attention group (attention then keeps no KV)
 
 
 @dataclass(frozen=True)
@@ -178,11 +206,20 @@ class ModelDesc:
             total += g.num_layers * g.attention.kv_elems_per_token * n
         return total * DTYPE_BYTES[self.profile.kv_cache]
 
+    def state_bytes_per_seq(self) -> float:
+        """Recurrent-state bytes one sequence holds whatever its length (linear-attention/SSM layers;
+        kept in fp32 as the engine keeps the delta-rule state)."""
+        return float(sum(g.num_layers * g.linear.state_elems for g in self.groups if g.linear)) * 4
+
     def flops_per_token(self, context_len: int = 0) -> float:
-        """Forward FLOPs of one token at a given context: 2 * active params (minus embedding gather) + attention."""
+        """Forward FLOPs of one token at a given context: 2 * active params (minus embedding gather) +
+        attention + linear-attention scans."""
         params = self.num_active_params() - self.vocab_size * self.hidden_size  # the input gather is free
         attn = 0
         for g in self.groups:
+            if g.linear is not None:
+                attn += g.num_layers * g.linear.scan_flops_per_token
+                continue
             w = g.attention.sliding_window
             span = min(context_len, w) if w else context_len
             attn += g.num_layers * g.attention.flops_per_pair * span
@@ -203,10 +240,12 @@ class ModelDesc:
             "precision": self.profile.summary(),
             "weight_bytes": self.weight_bytes(),
             "kv_bytes_per_token": self.kv_bytes_per_token(),
+            "state_bytes_per_seq": self.state_bytes_per_seq(),
             "flops_per_token_ctx0": self.flops_per_token(0),
             "groups": [
                 {
                     "num_layers": g.num_layers,
+                    "mixer": "linear_attention" if g.linear else "attention",
                     "sliding_window": g.attention.sliding_window,
                     "mla": g.attention.is_mla,
                     "moe": None if g.moe is None else {"num_experts": g.moe.num_experts, "top_k": g.moe.top_k},
@@ -271,8 +310,9 @@ def _attention(cfg: dict[str, Any], where: str, window: int | None) -> tuple[Att
         raise ModelConfigError(
             f"model config {where}: num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv}"
         )
+    gate = num_heads if cfg.get("model_type") in ("qwen3_next", "qwen3_5_moe") else 0  # per-head output gate
     lins = (
-        Linear("qkv_proj", hidden, (num_heads + 2 * num_kv) * head_dim),
+        Linear("qkv_proj", hidden, (num_heads + gate + 2 * num_kv) * head_dim),
         Linear("o_proj", num_heads * head_dim, hidden),
     )
     att = AttentionDesc(num_heads, num_kv, head_dim, head_dim, 2 * num_kv * head_dim, window)
@@ -291,6 +331,43 @@ def _moe_layer_ids(cfg: dict[str, Any], num_layers: int) -> set[int]:
     if int(cfg.get("decoder_sparse_step") or 1) > 1:  # Qwen-MoE: (layer_idx + 1) % step == 0
         ids = {i for i in ids if (i + 1) % int(cfg["decoder_sparse_step"]) == 0}
     return ids
+
+
+def _linear_layer_ids(cfg: dict[str, Any], num_layers: int, where: str) -> set[int]:
+    """Qwen3-Next-style linear-attention layers: from layer_types, or every layer but each
+    full_attention_interval-th when the config has linear-attention fields and no layer_types."""
+    types = cfg.get("layer_types")
+    if types:
+        known = {"full_attention", "sliding_attention", "linear_attention"}
+        unknown = sorted(set(types) - known)
+        if unknown:
+            raise ModelConfigError(f"model config {where}: layer_types has unknown type(s) {unknown}; known: {sorted(known)}")
+        return {i for i, t in enumerate(types) if t == "linear_attention"}
+    if cfg.get("linear_num_value_heads"):
+        interval = int(cfg.get("full_attention_interval") or 4)
+        return {i for i in range(num_layers) if (i + 1) % interval}
+    return set()
+
+
+def _linear_attention(cfg: dict[str, Any], where: str) -> tuple[AttentionDesc, tuple[Linear, ...], LinearAttnDesc]:
+    hidden = int(_req(cfg, "hidden_size", where))
+    la = LinearAttnDesc(
+        num_k_heads=int(_req(cfg, "linear_num_key_heads", where)),
+        num_v_heads=int(_req(cfg, "linear_num_value_heads", where)),
+        k_head_dim=int(_req(cfg, "linear_key_head_dim", where)),
+        v_head_dim=int(_req(cfg, "linear_value_head_dim", where)),
+        conv_kernel=int(cfg.get("linear_conv_kernel_dim") or 4),
+    )
+    key_dim, value_dim = la.num_k_heads * la.k_head_dim, la.num_v_heads * la.v_head_dim
+    lins = (
+        Linear("in_proj_qkvz", hidden, 2 * key_dim + 2 * value_dim),
+        Linear("in_proj_ba", hidden, 2 * la.num_v_heads),
+        Linear("conv1d", la.conv_kernel, la.conv_dim),  # depthwise: K weights per channel
+        Linear("out_proj", value_dim, hidden),
+    )
+    # no KV and no (query, key) pairs: the cost model prices the scan from `linear` instead
+    att = AttentionDesc(la.num_v_heads, la.num_v_heads, 0, 0, 0, None)
+    return att, lins, la
 
 
 def _windows(cfg: dict[str, Any], num_layers: int) -> list[int | None]:
@@ -325,14 +402,20 @@ def model_from_config(cfg: dict[str, Any], name: str = "", where: str = "<config
     if len(windows) != num_layers:
         raise ModelConfigError(f"model config {where}: layer_types has {len(windows)} entries, expected {num_layers}")
 
-    groups: dict[tuple[int | None, bool], int] = {}
+    linear_ids = _linear_layer_ids(cfg, num_layers, where)
+    groups: dict[tuple[int | None, bool, bool], int] = {}
     for i in range(num_layers):
-        key = (windows[i], i in moe_ids)
+        key = (windows[i], i in moe_ids, i in linear_ids)
         groups[key] = groups.get(key, 0) + 1
 
     built: list[LayerGroup] = []
-    for (window, is_moe), count in groups.items():
-        att, attn_lins, extra_norms = _attention(cfg, where, window)
+    for (window, is_moe, is_linear), count in groups.items():
+        linear = None
+        if is_linear:
+            att, attn_lins, linear = _linear_attention(cfg, where)
+            extra_norms = linear.v_head_dim
+        else:
+            att, attn_lins, extra_norms = _attention(cfg, where, window)
         norms = 2 * hidden + extra_norms
         moe = None
         if is_moe:
@@ -355,7 +438,7 @@ def model_from_config(cfg: dict[str, Any], name: str = "", where: str = "<config
         else:
             inter = int(_req(cfg, "intermediate_size", where))
             mlp = (Linear("gate_up_proj", hidden, 2 * inter), Linear("down_proj", inter, hidden))
-        built.append(LayerGroup(count, att, attn_lins, mlp, moe, norms))
+        built.append(LayerGroup(count, att, attn_lins, mlp, moe, norms, linear))
 
     wdt = weight_dtype or _dtype_name(_first(cfg, "torch_dtype", "dtype"))
     if precision is not None:

@@ -96,7 +96,7 @@ def capture(
                 handles.append(layer.register_forward_pre_hook(in_hook(f"layers.{i}.input"), with_kwargs=True))
             if sub_layer:
                 for sub in layer_names:
-                    mod = root.get_submodule(resolve(f"layers.{i}.{sub}"))
+                    mod = _sub_module(root, resolve, i, sub)
                     handles.append(mod.register_forward_hook(out_hook(f"layers.{i}.{sub}")))
                     if sub_inputs:
                         handles.append(mod.register_forward_pre_hook(in_hook(f"layers.{i}.{sub}.input"), with_kwargs=True))
@@ -107,6 +107,17 @@ def capture(
     finally:
         for h in handles:
             h.remove()
+
+
+def _sub_module(root: nn.Module, resolve: Callable[[str], str], i: int, sub: str) -> nn.Module:
+    """`layers.i.<sub>`; in hybrid models a linear-attention layer's mixer (`linear_attn`) stands in for
+    `self_attn`, so its output is compared at the same boundary (`layers.i.self_attn`)."""
+    try:
+        return root.get_submodule(resolve(f"layers.{i}.{sub}"))
+    except AttributeError:
+        if sub != "self_attn":
+            raise
+        return root.get_submodule(resolve(f"layers.{i}.linear_attn"))
 
 
 # ---- adapters: tensor-only forwards over the model's own modules ---------------------------------

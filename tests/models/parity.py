@@ -53,3 +53,17 @@ def incremental_error(ours: CausalLM, ids: torch.Tensor, prefill: int) -> float:
     for t in range(prefill, seq):
         parts.append(ours(ids[:, t : t + 1], torch.full((batch, 1), t), cache))
     return (torch.cat(parts, dim=1) - full).abs().max().item()
+
+
+@torch.no_grad()
+def chunked_prefill_error(ours: CausalLM, ids: torch.Tensor, chunk: int) -> float:
+    """Max |logits| difference between a prefill in chunks of `chunk` tokens and one full forward."""
+    batch, seq = ids.shape
+    cfg = ours.config
+    full = ours(ids)
+    cache = ContiguousKVCache(cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, seq)
+    parts = []
+    for start in range(0, seq, chunk):
+        stop = min(seq, start + chunk)
+        parts.append(ours(ids[:, start:stop], torch.arange(start, stop).expand(batch, -1), cache))
+    return (torch.cat(parts, dim=1) - full).abs().max().item()

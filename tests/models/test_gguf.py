@@ -389,6 +389,23 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("arch", ["qwen3moe", "llama"])
+def test_moe_architectures_fail_naming_the_architecture(tmp_path: Path, arch: str) -> None:
+    """qwen3moe is unknown to the converter; llama with experts (Mixtral) is refused by its expert count."""
+    path = tmp_path / f"{arch}.gguf"
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_expert_count(8)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnknownModelError, match=f"GGUF architecture '{arch}'.*not supported"):
+        gguf_to_checkpoint(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_bad_dtype(llama_case, tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="dtype 'int8'"):
         gguf_to_checkpoint(llama_case[0], tmp_path / "out", dtype="int8")

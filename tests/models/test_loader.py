@@ -138,10 +138,10 @@ def test_classic_gemma3_config_layout():
 
 
 def test_unsupported_rope_type():
-    with pytest.raises(ModelLoadError, match="rope_type 'yarn' is not supported"):
+    with pytest.raises(ModelLoadError, match="rope_type 'longrope' is not supported"):
         ModelConfig.from_hf({"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
                              "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100,
-                             "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+                             "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
 
 
 def test_missing_required_field():

@@ -9,6 +9,7 @@ from firstlight.models.loader import load_model
 from tests.models.conftest import FAMILIES
 from tests.models.parity import (
     FP32_REL_TOL,
+    chunked_prefill_error,
     hf_greedy,
     hf_reference,
     incremental_error,
@@ -40,6 +41,13 @@ def test_incremental_decode_matches_full_forward(tiny_dirs, family):
     ours, _ = load_model(tiny_dirs[family])
     ids = torch.randint(0, ours.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(1))
     assert incremental_error(ours, ids, prefill=11) < 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunked_prefill_matches_full_forward(tiny_dirs, family):
+    ours, _ = load_model(tiny_dirs[family])
+    ids = torch.randint(0, ours.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(4))
+    assert chunked_prefill_error(ours, ids, chunk=7) < 1e-4
 
 
 def test_parity_check_detects_a_wrong_weight(tiny_dirs):

@@ -65,3 +65,50 @@ def test_bad_config_names_the_key():
         model_from_config(bad)
     with pytest.raises(ModelConfigError, match="no such config.json"):
         load_model("/nonexistent/config.json")
+
+
+QWEN3_NEXT = {"model_type": "qwen3_next", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 16,
+              "num_key_value_heads": 2, "head_dim": 256, "vocab_size": 151936, "intermediate_size": 5120,
+              "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+              "shared_expert_intermediate_size": 512, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+              "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+              "full_attention_interval": 4, "torch_dtype": "bfloat16"}
+
+
+def test_qwen3_next_hybrid_is_priced_from_its_config():
+    from firstlight.sim.model import model_from_config
+
+    m = model_from_config(QWEN3_NEXT)
+    linear = [g for g in m.groups if g.linear]
+    assert sum(g.num_layers for g in linear) == 36  # 3 of every 4 layers
+    # KV only for the 12 full-attention layers: 2 (K, V) x 2 heads x 256 dims x 2 bytes each
+    assert m.kv_bytes_per_token() == 12 * 2 * 2 * 256 * 2
+    # state per sequence: per linear layer 32 x 128 x 128 delta-rule + conv (2*16*128 + 32*128) x 3, fp32
+    assert m.state_bytes_per_seq() == 36 * (32 * 128 * 128 + (2 * 16 * 128 + 32 * 128) * 3) * 4
+    # Qwen3-Next-80B-A3B: ~80B total, ~3B active
+    assert 75e9 < m.num_params() < 85e9 and 2.5e9 < m.num_active_params() < 4e9
+    # the scan is counted per token, independent of context; attention only over full layers
+    assert m.flops_per_token(1000) - m.flops_per_token(0) == 12 * 2 * 16 * (256 + 256) * 1000
+
+
+def test_qwen3_next_step_has_a_scan_op_and_no_kv_for_linear_layers():
+    from firstlight.core.hardware import load_spec
+    from firstlight.sim.cost import CostModel
+    from firstlight.sim.model import model_from_config
+    from firstlight.sim.parallel import ParallelConfig
+
+    cm = CostModel(model_from_config(QWEN3_NEXT), load_spec("h100"), ParallelConfig())
+    ops = cm.attention_ops(num_decode=32, decode_ctx_sum=32 * 4096, prefill_chunks=[])
+    names = [o.name for o in ops]
+    assert names.count("linear_attention_scan") == 1 and names.count("attention") == 1
+    scan = next(o for o in ops if o.name == "linear_attention_scan")
+    assert scan.time_s > 0 and scan.bytes > 0
+
+
+def test_unknown_layer_type_is_named():
+    import pytest
+
+    from firstlight.sim.model import ModelConfigError, model_from_config
+
+    with pytest.raises(ModelConfigError, match=r"unknown type\(s\) \['mamba'\]"):
+        model_from_config({**QWEN3_NEXT, "num_hidden_layers": 2, "layer_types": ["mamba", "full_attention"]})

@@ -1,0 +1,104 @@
+"""Qwen3-Next: a hybrid of Gated DeltaNet linear attention and gated full attention, with sparse MoE
+MLPs and a native multi-token-prediction (MTP) layer.
+
+    x = embed(ids)
+    for each layer (3 linear-attention : 1 full-attention, `layer_types`):
+        x = x + mixer(norm(x))     # GatedDeltaNet (gated_deltanet.py), or attention whose output is
+                                   # multiplied by sigmoid(gate), gate from q_proj; q/k RMSNorm; partial rope
+        x = x + moe(norm(x))       # routed experts + a sigmoid-gated shared expert (moe.py)
+    logits = lm_head(norm(x))
+
+Norms scale by (1 + w) (GemmaRMSNorm). The MTP layer (DeepSeek-V3 style, Liu et al. 2024, sec. 2.2)
+predicts the token after next from the model's final hidden state at t and the embedding of token t+1:
+
+    h' = layer(fc([norm_e(embed(token_{t+1})), norm_h(hidden_t)]))      at position t
+    logits_{t+2} = lm_head(norm(h'))
+
+transformers does not implement the MTP layer (it skips `mtp.*` on load); its weights are ours to run.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from firstlight.models.config import FULL, LINEAR, ModelConfig
+from firstlight.models.gated_deltanet import GatedDeltaNet
+from firstlight.models.kv_cache import KVCache, NoCache
+from firstlight.models.layers import Attention, CausalLM, GemmaRMSNorm
+from firstlight.models.moe import SparseMoE, mlp_for_layer
+
+
+class Qwen3NextLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, layer_type: str | None = None, sparse: bool | None = None) -> None:
+        super().__init__()
+        self.layer_type = layer_type or cfg.layer_types[layer]
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        if self.layer_type == LINEAR:
+            self.linear_attn = GatedDeltaNet(cfg, layer)
+        else:
+            self.self_attn = Attention(cfg, layer, GemmaRMSNorm)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.mlp = SparseMoE(cfg) if sparse else mlp_for_layer(cfg, layer)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        masks: dict[str, torch.Tensor | str | None],
+        cache: KVCache,
+    ) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.layer_type == LINEAR:
+            h = self.linear_attn(h, cache)
+        else:
+            cos, sin = rope[self.layer_type]
+            h = self.self_attn(h, cos, sin, masks[self.layer_type], cache)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MTP(nn.Module):
+    """The checkpoint's multi-token-prediction layers (`mtp.*`); layer i caches as layer num_layers + i."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        e, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.fc = nn.Linear(2 * e, e, bias=False)
+        self.pre_fc_norm_embedding = GemmaRMSNorm(e, eps)
+        self.pre_fc_norm_hidden = GemmaRMSNorm(e, eps)
+        sparse = cfg.moe is not None
+        self.layers = nn.ModuleList(
+            Qwen3NextLayer(cfg, cfg.num_layers + i, layer_type=FULL, sparse=sparse) for i in range(cfg.num_mtp_layers)
+        )
+        self.norm = GemmaRMSNorm(e, eps)
+
+
+class Qwen3Next(CausalLM):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg, Qwen3NextLayer, GemmaRMSNorm)
+        self.mtp = MTP(cfg) if cfg.num_mtp_layers else None
+
+    def forward_mtp(
+        self,
+        hidden: torch.Tensor,
+        next_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | None = None,
+        step: int = 0,
+    ) -> torch.Tensor:
+        """hidden: the final (normed) hidden states [B, S, E] at `positions` [B, S]; next_ids [B, S]:
+        the token after each → the MTP layer's normed output [B, S, E] (feed `compute_logits`)."""
+        if self.mtp is None:
+            raise ValueError("this checkpoint has no MTP layer (config field 'num_nextn_predict_layers' is 0)")
+        mtp = self.mtp
+        cache = NoCache() if cache is None else cache
+        e = mtp.pre_fc_norm_embedding(self.embed(next_ids))
+        x = mtp.fc(torch.cat([e, mtp.pre_fc_norm_hidden(hidden)], dim=-1))  # [B, S, E]
+        key_positions = cache.begin(positions)
+        rope = self.rope_tables(positions, x.dtype)
+        masks = self.masks(positions, key_positions, allow_shortcuts=True)
+        x = mtp.layers[step % len(mtp.layers)](x, rope, masks, cache)
+        cache.end()
+        return mtp.norm(x)

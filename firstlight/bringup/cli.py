@@ -113,7 +113,7 @@ def _run(model: str, chip: str, goal, budget: int, perf_budget: int, out: Path, 
         torch.set_num_threads(threads)
     path = resolve(model)
     tok = load_tokenizer(path)
-    ids = tok(load_text("hamlet-sample"))["input_ids"]
+    ids = tok(load_text("hamlet-sample"), verbose=False)["input_ids"]
     cfg = BringupConfig(model_path=path, chip=chip, goal=goal, budget=budget, perf_budget=perf_budget, out=out,
                         base_overrides=load_overrides(overrides) if overrides else Overrides(),
                         prompt_ids=ids[1000:1000 + prompt_tokens], ppl_ids=ids, seed=seed)

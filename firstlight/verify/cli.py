@@ -106,7 +106,7 @@ def _run(model: str, target: str, dtype: str, prompt_file: Path | None, new_toke
     policy = TolerancePolicy.for_dtype(tgt.tolerance_dtype)
     if tolerance is not None:
         policy = policy.with_file(tolerance)
-    ppl_ids = tok(load_text("hamlet-sample"))["input_ids"] if ppl_tokens else None
+    ppl_ids = tok(load_text("hamlet-sample"), verbose=False)["input_ids"] if ppl_tokens else None
     if decode_steps < 0:
         raise FirstlightError(f"--decode-steps {decode_steps} is negative; give 0 (no decode steps) or more")
     cfg = VerifyConfig(new_tokens=new_tokens, ppl_tokens=ppl_tokens, decode_steps=decode_steps, batch_path=batch_path)

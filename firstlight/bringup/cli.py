@@ -125,7 +125,8 @@ def _run(model: str, chip: str, goal, budget: int, perf_budget: int, out: Path, 
             rem = (it.get("remedy") or {}).get("description", "")
             after = it["after"]
             con.print(f"[{it['run']:>2}] {it['phase']:<11} {rem or '-':<48} -> {it.get('outcome') or ('met' if after['met'] else 'fails')}"
-                      f"  {'; '.join(after['unmet'][:1])[:90]}", highlight=False)
+                      f" ({it.get('seconds', 0):.0f} s)  {'; '.join(after['unmet'][:1])[:90]}", highlight=False,
+                      soft_wrap=True)
 
     loop = BringupLoop(cfg, book, on_iteration=progress)
     try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,7 @@ class Evaluation:
     unmet: list[str]
     cost_ms: float | None  # predicted ms per request on the chip
     target: EmulatedTarget
+    seconds: float = 0.0  # wall time of this verify run
 
     @property
     def met(self) -> bool:
@@ -192,6 +194,7 @@ class BringupLoop:
         from firstlight.models.loader import load_model
 
         self.runs += 1
+        t0 = time.perf_counter()
         target = EmulatedTarget(chip=self.cfg.chip, overrides=self.overrides(kept), seed=self.cfg.seed)
         model, _ = load_model(self.cfg.model_path, torch.float32, with_tokenizer=False)
         ctx = Context(accumulator=lambda m, op: target.site_numerics(m, op).matmul.accumulator,
@@ -200,13 +203,13 @@ class BringupLoop:
             res = run_verify(self.cfg.model_path, target, f"emulate:{self.cfg.chip}", self.cfg.prompt_ids,
                              self.cfg.verify, ppl_ids=self.cfg.ppl_ids, reference=self.reference, model=model)
         except OpNotLoweredError as e:
-            return Evaluation(None, str(e), classify(None, e, ctx), [str(e)], None, target)
+            return Evaluation(None, str(e), classify(None, e, ctx), [str(e)], None, target, time.perf_counter() - t0)
         result = res.to_dict()
         unmet = self.cfg.goal.unmet(result)
         sig = classify(result, None, ctx) if unmet else None
         pred = (result.get("target_report") or {}).get("details", {}).get("predicted") or {}
         cost = pred["prefill_ms"] + DECODE_TOKENS * pred["decode_step_ms"] if pred else None
-        return Evaluation(result, None, sig, unmet, cost, target)
+        return Evaluation(result, None, sig, unmet, cost, target, time.perf_counter() - t0)
 
     # ---- the loop ---------------------------------------------------------------------------------
     def run(self) -> BringupState:
@@ -296,7 +299,7 @@ class BringupLoop:
              outcome: str | None = None, before: Evaluation | None = None, change: str | None = None) -> None:
         c = (ev.result or {}).get("culprit") or {}
         self.state.iterations.append({
-            "run": self.runs, "phase": phase, "change": change,
+            "run": self.runs, "phase": phase, "change": change, "seconds": round(ev.seconds, 2),
             "signature": sig.to_dict() if sig else None,
             "remedy": cand.to_dict() if cand else None, "outcome": outcome,
             "after": {"met": ev.met, "error": ev.error, "unmet": ev.unmet[:4], "metrics": ev.metrics(),

@@ -250,6 +250,25 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+class RotaryTables(nn.Module):
+    """Builds the rotary cos/sin tables of every layer type. A module (with no weights) so that its ops
+    have a place a target can name: an accelerator's compiler may build these tables on the host."""
+
+    def __init__(self, cfg: ModelConfig, inv_freq: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.inv_freq = inv_freq  # shared with the model; fp32, outside the buffers (see CausalLM)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        tables = {}
+        for t, inv_freq in self.inv_freq.items():
+            rope = self.cfg.rope[t]
+            if rope.kind == "dynamic":
+                inv_freq = dynamic_ntk_inv_freq(rope, self.cfg.head_dim, positions)
+            tables[t] = rope_cos_sin(inv_freq.to(positions.device), positions, dtype, rope.cos_sin_scale)
+        return tables
+
+
 class CausalLM(nn.Module):
     """The skeleton every family shares: embed → layers → norm → lm_head.
 
@@ -269,6 +288,7 @@ class CausalLM(nn.Module):
         # Kept in fp32 outside the module's buffers, so casting the model to bf16 leaves them exact.
         attn_types = sorted(set(cfg.layer_types) & {"full_attention", "sliding_attention"})
         self.inv_freq = {t: rope_inv_freq(cfg.rope[t], cfg.head_dim) for t in attn_types}
+        self.rotary = RotaryTables(cfg, self.inv_freq)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [B, S, E]."""
@@ -317,13 +337,7 @@ class CausalLM(nn.Module):
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """cos/sin per layer type, computed once per forward and shared by the layers."""
-        tables = {}
-        for t, inv_freq in self.inv_freq.items():
-            rope = self.config.rope[t]
-            if rope.kind == "dynamic":
-                inv_freq = dynamic_ntk_inv_freq(rope, self.config.head_dim, positions)
-            tables[t] = rope_cos_sin(inv_freq.to(positions.device), positions, dtype, rope.cos_sin_scale)
-        return self._alias_state_layers(tables)
+        return self._alias_state_layers(self.rotary(positions, dtype))
 
     def _alias_state_layers(self, per_type: dict) -> dict:
         """Recurrent layer types (linear attention) use no rope and no mask; they get the full-attention

@@ -1,14 +1,20 @@
-"""Build a table the target computes (rotary cos/sin, masks, scales) in fp32 instead of the activation format."""
+"""Build a table the target computes (rotary cos/sin) in fp32: on the device, or on the host as tt-metal does."""
 
 from firstlight.bringup.remedies import Candidate, Remedy, register, rule
-from firstlight.bringup.signatures import packet
+
+ROTARY = "rotary"  # the module that builds the rotary tables (models/layers.py RotaryTables)
 
 
 def propose(sig, ctx):
-    ops = (packet(sig.op),) if getattr(sig, "op", "") else ("aten.cos", "aten.sin")
-    return [Candidate("recompute_table", tuple(rule(op=o, activation="fp32", why=sig.describe()) for o in ops),
-                      f"recompute {sig.table or 'the table'} in fp32 ({', '.join(ops)})", cost_rank=0)]
+    table = getattr(sig, "table", "") or ""
+    if sig.kind == "table_mismatch" and "rope" not in table:
+        return []
+    why = sig.describe()
+    return [Candidate("recompute_table", (rule(module=ROTARY, activation="fp32", why=why),),
+                      "build the rotary tables in fp32 on the device", cost_rank=0),
+            Candidate("recompute_table", (rule(module=ROTARY, fallback="host", why=why),),
+                      "build the rotary tables on the host (fp32)", cost_rank=1)]
 
 
 register(Remedy("recompute_table", ("table_mismatch", "position_divergence"), propose,
-                cost="once per forward: the table's size in fp32"))
+                cost="once per forward: the table's size in fp32, or one host round trip"))

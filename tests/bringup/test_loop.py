@@ -33,14 +33,16 @@ def test_loop_reaches_the_goal_and_writes_a_runbook(tiny_checkpoint, failing_chi
     loop = _loop(model, failing_chip, tmp_path / "out", tmp_path / "pb.json", perf_budget=3)
     state = loop.run()
     assert state.final["met"], state.iterations[-1]
-    kept = [c["remedy"] for c in state.kept]
-    assert kept[:2] == ["host_fallback", "host_fallback"]  # cos and sin: the compiler lacks them
+    # the compiler lacks cos and sin: the rotary tables are built on the host (one remedy for both)
+    assert state.kept[0]["remedy"] == "host_fallback"
+    assert state.kept[0]["rules"][0] == {"module": "rotary", "fallback": "host", "why": state.kept[0]["rules"][0]["why"]}
     assert state.iterations[0]["after"]["error"].startswith("chip")
     assert state.iterations[1]["signature"]["kind"] == "op_not_lowered"
+    assert state.iterations[1]["signature"]["module"] == "rotary"
     book = (tmp_path / "out" / "RUNBOOK.md").read_text()
     assert "## Iterations" in book and "firstlight verify --model" in book and "--overrides" in book
     ov = yaml.safe_load((tmp_path / "out" / "overrides.yaml").read_text())
-    assert {"op": "aten.cos", "fallback": "host"}.items() <= ov["rules"][0].items()
+    assert {"module": "rotary", "fallback": "host"}.items() <= ov["rules"][0].items()
     entries = json.loads((tmp_path / "pb.json").read_text())["entries"]
     assert {e["outcome"] for e in entries} & {"fixed", "moved"}
     # the final configuration verifies on its own

@@ -88,7 +88,9 @@ class EfficiencySpec(_Strict):
     memory: float = Field(default=0.8, gt=0, le=1)
     network: float = Field(default=0.8, gt=0, le=1)
     kernel_overhead_us: float = Field(default=4.0, ge=0)  # per kernel launch / fixed cost
-    step_overhead_us: float = Field(default=0.0, ge=0)  # per engine step (scheduling, sampling, host)
+    step_overhead_us: float = Field(default=0.0, ge=0)  # per engine step (scheduling, launch, host)
+    seq_overhead_us: float = Field(default=0.0, ge=0)  # per sequence per step (sampling, detokenize, output)
+    request_overhead_us: float = Field(default=0.0, ge=0)  # per request once (API server, tokenize, admission)
     collective_overhead_us: float = Field(default=0.0, ge=0)  # software alpha per collective step
 
 

@@ -11,6 +11,27 @@ app = typer.Typer(help="Predict performance: op costs, collectives, parallelism,
 
 HW = typer.Option("h100", "--hw", help="builtin spec name (see `firstlight sim specs`) or a spec YAML path")
 MODEL = typer.Option("llama-3.1-8b", "--model", help="config.json path, checkpoint dir, or preset name")
+TP = typer.Option(1, "--tp", help="tensor-parallel degree (devices per model shard group)")
+PP = typer.Option(1, "--pp", help="pipeline-parallel degree (stages per replica)")
+EP = typer.Option(1, "--ep", help="expert-parallel degree for MoE layers; may exceed --tp (EP across replicas)")
+WDT = typer.Option(None, "--weight-dtype", help="weight dtype: bf16, fp16, fp8, int8, int4, fp4, fp32 "
+                   "(default: the config's torch_dtype)")
+KVDT = typer.Option(None, "--kv-dtype", help="KV-cache dtype: bf16, fp16, fp8, int8, fp32 (default: the weight "
+                    "dtype when 16-bit, else bf16)")
+MAX_SEQS = typer.Option(256, "--max-num-seqs", help="scheduler: most sequences running at once")
+MAX_TOKENS = typer.Option(8192, "--max-num-batched-tokens", help="scheduler: token budget per step (chunked prefill)")
+MEM_UTIL = typer.Option(0.9, "--memory-utilization", help="fraction of device memory for weights + activations + KV")
+
+
+def _model(name: str, weight_dtype: str | None, kv_dtype: str | None):  # -> ModelDesc
+    from firstlight.core.hardware import DTYPE_BYTES
+    from firstlight.errors import FirstlightError
+    from firstlight.sim.model import load_model
+
+    for opt, v in (("--weight-dtype", weight_dtype), ("--kv-dtype", kv_dtype)):
+        if v is not None and v not in DTYPE_BYTES:
+            raise FirstlightError(f"{opt} {v!r}: expected one of {sorted(DTYPE_BYTES)}")
+    return load_model(name, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
 
 
 def _print_json(obj: object) -> None:
@@ -63,30 +84,32 @@ def specs(show: str = typer.Option("", "--show", help="print one spec in full"))
 
 
 @app.command()
-def model(config: str = typer.Argument(..., help="config.json, checkpoint dir or preset name")) -> None:
+def model(config: str = typer.Argument(..., help="config.json, checkpoint dir or preset name"),
+          weight_dtype: str | None = WDT, kv_dtype: str | None = KVDT) -> None:
     """Parameter count, KV bytes per token and FLOPs per token of a model."""
-    from firstlight.sim.model import load_model
-
-    _print_json(load_model(config).summary())
+    _print_json(_model(config, weight_dtype, kv_dtype).summary())
 
 
 @app.command()
-def fit(hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1, ep: int = 1,
-        max_num_batched_tokens: int = 8192, max_num_seqs: int = 256, memory_utilization: float = 0.9) -> None:
+def fit(hw: str = HW, model_name: str = MODEL, tp: int = TP, pp: int = PP, ep: int = EP,
+        max_num_batched_tokens: int = MAX_TOKENS, max_num_seqs: int = MAX_SEQS, memory_utilization: float = MEM_UTIL,
+        weight_dtype: str | None = WDT, kv_dtype: str | None = KVDT) -> None:
     """Does the model fit on the devices? Weights, activations, KV capacity per device."""
     from firstlight.core.hardware import load_spec
-    from firstlight.sim.model import load_model
     from firstlight.sim.parallel import ParallelConfig, plan_memory
 
-    plan = plan_memory(load_model(model_name), load_spec(hw), ParallelConfig(tp=tp, pp=pp, ep=ep),
+    plan = plan_memory(_model(model_name, weight_dtype, kv_dtype), load_spec(hw), ParallelConfig(tp=tp, pp=pp, ep=ep),
                        max_num_batched_tokens, max_num_seqs, memory_utilization)
     _print_json(plan.to_dict())
 
 
 @app.command()
-def step(hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1, ep: int = 1,
+def step(hw: str = HW, model_name: str = MODEL, tp: int = TP, pp: int = PP, ep: int = EP,
          batch: str = typer.Option("decode:32@1024", help="decode:N@CTX, prefill:TOKENS[@CACHED], comma-separated"),
-         batch_json: Path | None = typer.Option(None, help="a Batch as JSON (core.Batch.to_dict)")) -> None:
+         batch_json: Path | None = typer.Option(None, help="a Batch as JSON (core.Batch.to_dict)"),
+         runner: str = typer.Option("fused", help="fused (one forward per step, vLLM-like) or grouped "
+                                    "(firstlight's engine: one forward per chunk length)"),
+         weight_dtype: str | None = WDT, kv_dtype: str | None = KVDT) -> None:
     """Predicted time of one engine step, op by op, with the roofline bound of each."""
     from rich.console import Console
     from rich.table import Table
@@ -94,11 +117,11 @@ def step(hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1, ep: in
     from firstlight.core.batch import Batch
     from firstlight.core.hardware import load_spec
     from firstlight.sim.cost import CostModel
-    from firstlight.sim.model import load_model
     from firstlight.sim.parallel import ParallelConfig
 
     b = Batch.from_dict(json.loads(batch_json.read_text())) if batch_json else parse_batch(batch)
-    cm = CostModel(load_model(model_name), load_spec(hw), ParallelConfig(tp=tp, pp=pp, ep=ep))
+    cm = CostModel(_model(model_name, weight_dtype, kv_dtype), load_spec(hw), ParallelConfig(tp=tp, pp=pp, ep=ep),
+                   runner=runner)
     t = Table("op", "GFLOP", "MB", "time ms", "bound", title=f"{cm.model.name} on {cm.hw.name} ({b.num_tokens} tokens)")
     for op in cm.breakdown(b):
         t.add_row(op.name, f"{op.flops / 1e9:.2f}", f"{op.bytes / 1e6:.2f}", f"{op.time_s * 1e3:.3f}", op.bound)
@@ -155,39 +178,124 @@ def _parse_size(s: str) -> float:
 
 
 @app.command()
-def serve(hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1, ep: int = 1,
+def serve(hw: str = HW, model_name: str = MODEL, tp: int = TP, pp: int = PP, ep: int = EP,
           replicas: int = typer.Option(1, help="data-parallel replicas behind the router"),
-          prefill_replicas: int = typer.Option(0, help="> 0: prefill/decode disaggregation"),
-          decode_replicas: int = 0,
-          rate: float = typer.Option(4.0, help="requests per second"), num_requests: int = 1000,
-          arrival: str = typer.Option("poisson", help="poisson | gamma | uniform"), cv: float = 1.0,
-          trace: Path | None = typer.Option(None, help="JSONL/CSV with arrival_s,num_prompt_tokens,num_output_tokens"),
-          prompt_len: int = 512, output_len: int = 128, len_dist: str = "fixed",
-          max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, block_size: int = 16,
-          router: str = "round_robin", slo_ttft: float = 2.0, slo_tpot: float = 0.1, seed: int = 0,
+          prefill_replicas: int = typer.Option(0, help="> 0: prefill/decode disaggregation with this many prefill replicas"),
+          decode_replicas: int = typer.Option(0, help="with --prefill-replicas: decode replicas"),
+          rate: float = typer.Option(4.0, help="requests per second (synthetic workload)"),
+          num_requests: int = typer.Option(1000, help="requests in the synthetic workload"),
+          arrival: str = typer.Option("poisson", help="poisson | gamma | uniform"),
+          cv: float = typer.Option(1.0, help="gamma arrivals: coefficient of variation of inter-arrival times"),
+          trace: Path | None = typer.Option(None, help="an engine trace (`firstlight serve --trace`, .jsonl[.gz]): replay "
+                                            "its requests with its engine settings and compare per-request latency "
+                                            "with the measured; or a workload JSONL/CSV with arrival_s,"
+                                            "num_prompt_tokens,num_output_tokens"),
+          clock: str = typer.Option("wall", help="engine trace: compare on the wall clock, or `cpu` (steps re-timed "
+                                    "to the engine thread's CPU time: a shared machine's contention removed)"),
+          per_request: int = typer.Option(0, help="engine trace: print this many per-request rows"),
+          prompt_len: int = typer.Option(512, help="mean prompt tokens (synthetic workload)"),
+          output_len: int = typer.Option(128, help="mean output tokens (synthetic workload)"),
+          len_dist: str = typer.Option("fixed", help="length distribution: fixed | uniform (+-50%) | exponential"),
+          max_num_seqs: int | None = typer.Option(None, help="scheduler: most sequences running at once "
+                                                  "(default 256, or the engine trace's)"),
+          max_num_batched_tokens: int | None = typer.Option(None, help="scheduler: token budget per step "
+                                                            "(default 8192, or the engine trace's)"),
+          block_size: int | None = typer.Option(None, help="KV block size in tokens (default 16, or the trace's)"),
+          kv_capacity_tokens: int | None = typer.Option(None, help="KV tokens per replica (default: the memory plan, "
+                                                        "or the engine trace's blocks)"),
+          runner: str | None = typer.Option(None, help="fused | grouped (default fused; grouped for a firstlight "
+                                            "engine trace)"),
+          router: str = typer.Option("round_robin", help="round_robin | least_outstanding"),
+          slo: str = typer.Option("ttft=2000,tpot=100", help="goodput SLO, ms unless suffixed s (as `bench --slo`)"),
+          seed: int = typer.Option(0, help="workload random seed"),
           microbatches: int | None = typer.Option(None, help="pp > 1: micro-batches per step (default: pp)"),
           pipeline_schedule: str = typer.Option("gpipe", help="pp > 1: gpipe (flush each step) | async"),
+          weight_dtype: str | None = WDT, kv_dtype: str | None = KVDT,
           out: Path | None = typer.Option(None, help="write a report directory (result.json, PNG plots)")) -> None:
-    """Simulate serving a workload: latency distributions, throughput, goodput, utilization, $/1M tokens."""
+    """Simulate serving a workload: latency distributions, throughput, goodput, utilization, $/1M tokens.
+
+    With an engine trace as --trace, the trace's requests are the workload and its engine settings the
+    deployment; any option given here overrides them (a what-if on other hardware or settings)."""
     from firstlight.core.hardware import load_spec
-    from firstlight.sim.model import load_model
     from firstlight.sim.serve import ServeConfig, run_serve, write_serve_report
+    from firstlight.sim.sweep import parse_slo
+    from firstlight.sim.trace_replay import is_engine_trace
     from firstlight.sim.workload import load_trace, make_workload
 
+    ttft, tpot = parse_slo(slo)
+    model = _model(model_name, weight_dtype, kv_dtype)
+    spec = load_spec(hw)
+    knobs = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, "block_size": block_size,
+             "kv_capacity_tokens": kv_capacity_tokens}
+    common = dict(tp=tp, pp=pp, ep=ep, num_replicas=replicas, num_prefill_replicas=prefill_replicas,
+                  num_decode_replicas=decode_replicas, router=router, slo_ttft_s=ttft, slo_tpot_s=tpot,
+                  num_microbatches=microbatches, pipeline_schedule=pipeline_schedule)
+    if trace is not None and is_engine_trace(trace):
+        _serve_engine_trace(trace, model, spec, {**common, **{k: v for k, v in knobs.items() if v is not None}},
+                            runner, clock, per_request, out)
+        return
     wl = load_trace(trace) if trace else make_workload(num_requests, rate, prompt_len, output_len, arrival, cv,
                                                        len_dist, seed)
-    cfg = ServeConfig(tp=tp, pp=pp, ep=ep, num_replicas=replicas, num_prefill_replicas=prefill_replicas,
-                      num_decode_replicas=decode_replicas, max_num_seqs=max_num_seqs,
-                      max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, router=router,
-                      slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot, num_microbatches=microbatches,
-                      pipeline_schedule=pipeline_schedule)
-    result, res = run_serve(load_model(model_name), load_spec(hw), wl, cfg)
+    defaults = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "block_size": 16}
+    cfg = ServeConfig(**common, **{k: (v if v is not None else defaults.get(k)) for k, v in knobs.items()})
+    result, res = run_serve(model, spec, wl, cfg, {"runner": runner or "fused"})
     if out:
         write_serve_report(out, result, res, wl)
         typer.echo(f"report: {out}/index.html")
     keys = ("num_devices", "num_finished", "makespan_s", "ttft_s", "tpot_s", "itl_s", "e2e_s", "throughput",
             "goodput", "utilization", "pipeline", "num_preemptions", "cost", "sim")
     _print_json({k: result[k] for k in keys})
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f}"
+
+
+def _serve_engine_trace(path: Path, model, spec, overrides: dict, runner: str | None, clock: str,
+                        per_request: int, out: Path | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from firstlight.errors import FirstlightError
+    from firstlight.sim.trace_replay import load_engine_trace, on_cpu_clock, replay_serve
+
+    if clock not in ("wall", "cpu"):
+        raise FirstlightError(f"--clock {clock!r}: expected wall or cpu")
+    tr = load_engine_trace(path)
+    if clock == "cpu":
+        tr = on_cpu_clock(tr)
+    if runner:
+        overrides["runner"] = runner
+    r = replay_serve(tr, model, spec, overrides)
+    t = Table("metric", "measured p50", "predicted p50", "measured p90", "predicted p90", "per-request median |err|",
+              "p90 |err|", title=f"{path.name} replayed on {spec.name} ({r['trace']['num_requests']} requests, "
+              f"{clock} clock, runner {r['runner']})")
+    for key in ("ttft", "tpot", "e2e"):
+        c = r["vs_measured"][key]
+        if c:
+            t.add_row(key.upper(), f"{c['measured_p50_s'] * 1e3:.1f} ms", f"{c['predicted_p50_s'] * 1e3:.1f} ms",
+                      f"{c['measured_p90_s'] * 1e3:.1f} ms", f"{c['predicted_p90_s'] * 1e3:.1f} ms",
+                      f"{c['median_abs_pct']:.1f}%", f"{c['p90_abs_pct']:.1f}%")
+    st = r["vs_measured"]["step"]
+    Console().print(t)
+    typer.echo(f"steps: measured {st['measured_num_steps']} (median {st['measured_median_s'] * 1e3:.2f} ms, total "
+               f"{st['measured_total_s']:.2f} s), predicted {st['predicted_num_steps']} (median "
+               f"{st['predicted_median_s'] * 1e3:.2f} ms, total {st['predicted_total_s']:.2f} s)")
+    if r["trace"]["requests_inferred_from_steps"]:
+        typer.echo("note: the trace has no request lines (older engine); arrivals are the first step of each request")
+    if per_request:
+        rows = Table("request", "prompt", "output", "TTFT meas ms", "TTFT pred ms", "TPOT meas ms", "TPOT pred ms",
+                     "e2e meas ms", "e2e pred ms")
+        for q in r["requests"][:per_request]:
+            f = _ms
+            rows.add_row(q["request_id"][-12:], str(q["num_prompt_tokens"]), str(q["num_output_tokens"]),
+                         f(q["measured_ttft_s"]), f(q["predicted_ttft_s"]), f(q["measured_tpot_s"]),
+                         f(q["predicted_tpot_s"]), f(q["measured_e2e_s"]), f(q["predicted_e2e_s"]))
+        Console().print(rows)
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "result.json").write_text(json.dumps(r, indent=2, default=str))
+        typer.echo(f"result: {out}/result.json")
 
 
 @app.command()
@@ -202,12 +310,15 @@ def validate(markdown: bool = typer.Option(False, help="print the docs/VALIDATIO
         _print_json(rows)
 
 
-TRACE = typer.Option(..., "--trace", help="engine trace JSONL (firstlight.core.Trace), e.g. from the engine's --trace")
+TRACE = typer.Option(..., "--trace", help="engine trace JSONL[.gz] (firstlight.core.Trace), e.g. from the engine's --trace")
 
 
 @app.command()
-def replay(trace: Path = TRACE, hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1,
+def replay(trace: Path = TRACE, hw: str = HW, model_name: str = MODEL, tp: int = TP, pp: int = PP,
+           runner: str | None = typer.Option(None, help="fused | grouped (default: grouped for a firstlight trace)"),
+           clock: str = typer.Option("wall", help="wall, or cpu: steps re-timed to the engine thread's CPU time"),
            limit: int = typer.Option(20, help="steps to print (all go to --out)"),
+           weight_dtype: str | None = WDT, kv_dtype: str | None = KVDT,
            out: Path | None = typer.Option(None, help="write every step as JSON")) -> None:
     """Re-price every recorded Batch with the cost model: predicted vs measured step time."""
     from rich.console import Console
@@ -216,10 +327,14 @@ def replay(trace: Path = TRACE, hw: str = HW, model_name: str = MODEL, tp: int =
     from firstlight.core.hardware import load_spec
     from firstlight.sim.calibrate import load_trace_steps
     from firstlight.sim.calibrate import replay as run_replay
-    from firstlight.sim.model import load_model
     from firstlight.sim.parallel import ParallelConfig
+    from firstlight.sim.trace_replay import on_cpu_clock
 
-    r = run_replay(load_trace_steps(trace), load_model(model_name), load_spec(hw), ParallelConfig(tp=tp, pp=pp))
+    tr = load_trace_steps(trace)
+    if clock == "cpu":
+        tr = on_cpu_clock(tr)
+    r = run_replay(tr, _model(model_name, weight_dtype, kv_dtype), load_spec(hw), ParallelConfig(tp=tp, pp=pp),
+                   runner=runner)
     t = Table("step", "seqs", "prefill tok", "decode tok", "measured execute ms", "measured total ms", "predicted ms",
               "error", title=f"{r['model']} on {r['hardware']}: {r['num_steps']} steps")
     for row in r["steps"][:limit]:
@@ -238,24 +353,53 @@ def replay(trace: Path = TRACE, hw: str = HW, model_name: str = MODEL, tp: int =
 
 
 @app.command()
-def calibrate(trace: Path = TRACE, hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1,
+def calibrate(trace: list[Path] = typer.Option(..., "--trace", help="engine trace(s) to fit on; repeat the option"),
+              holdout: list[Path] = typer.Option([], "--holdout", help="engine trace(s) to report error on, not fitted"),
+              hw: str = HW, model_name: str = MODEL, tp: int = TP, pp: int = PP,
+              runner: str | None = typer.Option(None, help="fused | grouped (default: grouped for a firstlight trace)"),
+              clock: str = typer.Option("auto", help="wall | cpu | auto (cpu when every step has CPU times)"),
+              latency: bool = typer.Option(True, "--latency/--no-latency",
+                                           help="also simulate each trace's requests: per-request TTFT/TPOT/e2e error"),
+              weight_dtype: str | None = WDT, kv_dtype: str | None = KVDT,
+              json_out: Path | None = typer.Option(None, "--json", help="write the full result (fit, errors) as JSON"),
               out: Path = typer.Option(Path("calibrated.yaml"), help="calibrated spec YAML to write")) -> None:
-    """Fit compute/memory efficiency and per-step overhead to a trace's execute_s; write a calibrated spec."""
+    """Fit compute/memory efficiency and per-step / per-sequence / per-kernel overheads to engine traces;
+    report the error in-sample and on held-out traces; write a calibrated spec."""
     from firstlight.core.hardware import load_spec
     from firstlight.sim.calibrate import calibrate as run_calibrate
     from firstlight.sim.calibrate import load_trace_steps, write_spec_yaml
-    from firstlight.sim.model import load_model
     from firstlight.sim.parallel import ParallelConfig
 
-    r = run_calibrate(load_trace_steps(trace), load_model(model_name), load_spec(hw), ParallelConfig(tp=tp, pp=pp),
-                      source=str(trace))
+    fit_traces = [load_trace_steps(t) for t in trace]
+    held = [load_trace_steps(t) for t in holdout]
+    if clock == "auto":
+        clock = "cpu" if all(s.cpu_s for t in fit_traces + held for s in t.steps) else "wall"
+    r = run_calibrate(fit_traces, _model(model_name, weight_dtype, kv_dtype), load_spec(hw),
+                      ParallelConfig(tp=tp, pp=pp), source=", ".join(p.name for p in trace), holdout=held,
+                      runner=runner, latency=latency, clock=clock)
     write_spec_yaml(r["spec"], out)
     b, a, f = r["before"], r["after"], r["fit"]
-    typer.echo(f"{r['num_steps']} steps of {r['model']} on {r['hardware']}")
-    typer.echo(f"fit: compute {f['compute']:.3f}, memory {f['memory']:.3f}, step overhead "
-               f"{f['step_overhead_us']:.0f} us (+ host {r['host_overhead_us']:.0f} us in the spec)")
+    typer.echo(f"{r['num_steps']} steps in {r['num_traces']} trace(s) of {r['model']} on {r['hardware']} "
+               f"({r['clock']} clock, runner {r['runner']})")
+    typer.echo(f"fit: compute {f['compute']:.3f}, memory {f['memory']:.3f}, step overhead {f['step_overhead_us']:.0f} us, "
+               f"per-seq {f['seq_overhead_us']:.0f} us, per-kernel {f['kernel_overhead_us']:.1f} us; host "
+               f"{r['host']['step_us']:.0f} us + {r['host']['seq_us']:.0f} us/seq")
     typer.echo(f"execute_s error before: median {b['median_abs_pct']:.1f}%, p90 {b['p90_abs_pct']:.1f}%")
     typer.echo(f"execute_s error after:  median {a['median_abs_pct']:.1f}%, p90 {a['p90_abs_pct']:.1f}%")
+    for part in ("in_sample", "held_out"):
+        if part not in r:
+            continue
+        e = r[part]["step"]
+        typer.echo(f"{part.replace('_', '-')}: step time median |err| {e['median_abs_pct']:.1f}%, p90 "
+                   f"{e['p90_abs_pct']:.1f}%")
+        lat = r[part].get("latency", {}).get("all", {})
+        for key in ("ttft", "tpot", "e2e"):
+            if lat.get(key):
+                typer.echo(f"{part.replace('_', '-')}: {key.upper()} per-request median |err| "
+                           f"{lat[key]['median_abs_pct']:.1f}%, p90 {lat[key]['p90_abs_pct']:.1f}% "
+                           f"({lat[key]['num_requests']} requests)")
+    if json_out:
+        json_out.write_text(json.dumps({k: v for k, v in r.items() if k != "spec"}, indent=2, default=str))
     typer.echo(f"calibrated spec: {out}")
 
 
@@ -265,7 +409,7 @@ def sweep(model_name: str = MODEL,
           tp: str = typer.Option("1,2,4,8", help="comma-separated TP degrees"),
           pp: str = typer.Option("1", help="comma-separated PP degrees"),
           rate: str = typer.Option("4", help="comma-separated request rates (req/s)"),
-          slo: str = typer.Option("ttft=2,tpot=0.1", help="p90 SLOs in seconds: ttft=..,tpot=.."),
+          slo: str = typer.Option("ttft=2000,tpot=100", help="p90 SLOs, ms unless suffixed s (as `bench --slo`)"),
           num_requests: int = 500, prompt_len: int = 512, output_len: int = 128, len_dist: str = "fixed",
           replicas: int = 1, seed: int = 0,
           workers: int | None = typer.Option(None, help="local processes (default: CPU count)"),

@@ -10,7 +10,12 @@ query tile of `flash_tile` rows, the new K/V written once; FLOPs 2*H*(d_qk + d_v
 pair. MoE layers read the experts that receive at least one token and compute the most-loaded
 EP rank's share (balls-into-bins imbalance). TP adds two all-reduces per layer on the scale-up link;
 PP adds a point-to-point send per stage boundary. Each step adds the spec's step overhead (host
-scheduling, sampling).
+scheduling, launch) and a per-sequence overhead (sampling, detokenize, output processing).
+
+`runner` says how the engine turns one Batch into forwards: `fused` (vLLM, TensorRT-LLM, SGLang: one
+forward over the flattened tokens of every sequence) or `grouped` (firstlight's own runner: one
+forward per distinct chunk length, `ModelRunner.execute` in engine/runner.py), where every forward
+reads the weights and launches its kernels again.
 
 `CostModel.time(batch)` prices the Batch the engine scheduler emits; `step_time(...)` prices the same
 work from aggregates (what the serving simulator tracks) and is what `time()` calls, so both agree.
@@ -24,6 +29,7 @@ from functools import lru_cache
 
 from firstlight.core.batch import Batch
 from firstlight.core.hardware import DTYPE_BYTES, EfficiencySpec, HardwareSpec
+from firstlight.errors import FirstlightError
 from firstlight.sim.collectives import collective_time
 from firstlight.sim.model import LayerGroup, Linear, ModelDesc
 from firstlight.sim.parallel import ParallelConfig, check_parallel, kv_shard
@@ -41,11 +47,21 @@ class OpCost:
         return asdict(self)
 
 
+RUNNERS = ("fused", "grouped")
+
+
+class CostModelError(FirstlightError):
+    """A cost-model option the model does not know."""
+
+
 class CostModel:
     def __init__(self, model: ModelDesc, hw: HardwareSpec, parallel: ParallelConfig | None = None,
                  compute_dtype: str | None = None, efficiency: EfficiencySpec | None = None,
                  flash_tile: int = 128, moe_imbalance: float | None = None,
-                 collective_algorithm: str = "auto") -> None:
+                 collective_algorithm: str = "auto", runner: str = "fused") -> None:
+        if runner not in RUNNERS:
+            raise CostModelError(f"--runner {runner!r}: expected one of {RUNNERS}")
+        self.runner = runner
         self.model = model
         self.hw = hw
         self.par = parallel or ParallelConfig()
@@ -56,6 +72,7 @@ class CostModel:
         self.mem_bw = hw.memory.bandwidth_bytes_per_s * self.eff.memory
         self.kernel_s = self.eff.kernel_overhead_us * 1e-6
         self.step_s = self.eff.step_overhead_us * 1e-6
+        self.seq_s = self.eff.seq_overhead_us * 1e-6
         self.wb = DTYPE_BYTES[model.weight_dtype]
         self.ab = DTYPE_BYTES[model.act_dtype]
         self.kvb = DTYPE_BYTES[model.kv_dtype]
@@ -214,10 +231,30 @@ class CostModel:
         """Seconds for one step from aggregates; decode contexts count the token computed this step."""
         if num_tokens <= 0:
             return 0.0
-        t = self.step_s + self._token_cache(num_tokens) + self._logits_cache(num_seqs)
-        for op in self.attention_ops(num_decode, decode_ctx_sum, list(prefill_chunks), decode_window_ctx_sum):
-            t += op.time_s
+        t = self.step_s + self.seq_s * num_seqs
+        for m, s, nd, ctx, chunks, wctx in self.forwards(num_tokens, num_seqs, num_decode, decode_ctx_sum,
+                                                          prefill_chunks, decode_window_ctx_sum):
+            t += self._token_cache(m) + self._logits_cache(s)
+            for op in self.attention_ops(nd, ctx, chunks, wctx):
+                t += op.time_s
         return t
+
+    def forwards(self, num_tokens: int, num_seqs: int, num_decode: int, decode_ctx_sum: float,
+                 prefill_chunks: list[tuple[int, int]] | tuple, decode_window_ctx_sum: float | None = None,
+                 ) -> list[tuple[int, int, int, float, list[tuple[int, int]], float | None]]:
+        """The forwards one step runs: (tokens, seqs, decodes, decode context, prefill chunks, window ctx) each."""
+        chunks = list(prefill_chunks)
+        if self.runner == "fused" or not chunks:
+            return [(num_tokens, num_seqs, num_decode, decode_ctx_sum, chunks, decode_window_ctx_sum)]
+        out: list[tuple[int, int, int, float, list[tuple[int, int]], float | None]] = []
+        if num_decode:
+            out.append((num_decode, num_decode, num_decode, decode_ctx_sum, [], decode_window_ctx_sum))
+        by_len: dict[int, list[tuple[int, int]]] = {}
+        for n, c in chunks:
+            by_len.setdefault(n, []).append((n, c))
+        for n, group in by_len.items():
+            out.append((n * len(group), len(group), 0, 0.0, group, None))
+        return out
 
     # ---- pipeline parallelism ---------------------------------------------------------------------
     def pipelined_step_time(self, num_tokens: int, num_seqs: int, num_decode: int = 0, decode_ctx_sum: float = 0.0,
@@ -272,12 +309,18 @@ class CostModel:
         num_decode, ctx, wctx, chunks = self._aggregate(batch, windows[0] if windows else None)
         return self.step_time(batch.num_tokens, batch.num_seqs, num_decode, ctx, chunks, wctx)
 
-    def breakdown(self, batch: Batch) -> list[OpCost]:
-        """Per-op costs of `batch`, merged by op name, plus the step overhead."""
+    def step_ops(self, batch: Batch) -> list[OpCost]:
+        """Every op of every forward of `batch` (without the step and sequence overheads)."""
         windows = [g.attention.sliding_window for g in self.model.groups if g.attention.sliding_window]
         num_decode, ctx, wctx, chunks = self._aggregate(batch, windows[0] if windows else None)
-        raw = (self.token_ops(batch.num_tokens) + self.logits_ops(batch.num_seqs)
-               + self.attention_ops(num_decode, ctx, chunks, wctx))
+        ops: list[OpCost] = []
+        for m, s, nd, c, ch, w in self.forwards(batch.num_tokens, batch.num_seqs, num_decode, ctx, chunks, wctx):
+            ops += self.token_ops(m) + self.logits_ops(s) + self.attention_ops(nd, c, ch, w)
+        return ops
+
+    def breakdown(self, batch: Batch) -> list[OpCost]:
+        """Per-op costs of `batch`, merged by op name, plus the step and per-sequence overheads."""
+        raw = self.step_ops(batch)
         merged: dict[str, OpCost] = {}
         for op in raw:
             if op.name in merged:
@@ -287,6 +330,8 @@ class CostModel:
                 merged[op.name] = op
         out = list(merged.values())
         out.append(OpCost("step_overhead", 0.0, 0.0, self.step_s, "overhead"))
+        if self.seq_s:
+            out.append(OpCost("seq_overhead", 0.0, 0.0, self.seq_s * batch.num_seqs, "overhead"))
         return out
 
 

@@ -93,7 +93,7 @@ def run_serve(model: ModelDesc, hw: HardwareSpec, workload: Workload, cfg: Serve
             return lat + model.kv_bytes_for_context(prompts[rid]) / bw
 
     t0 = time.perf_counter()
-    res = simulate(workload, front, cfg.router, back, kv_transfer)
+    res = simulate(workload, front, cfg.router, back, kv_transfer, cost.eff.request_overhead_us * 1e-6)
     wall = time.perf_counter() - t0
     return summarize(res, workload, cfg, hw, par, plan.to_dict() | {"kv_capacity_tokens": kv_tokens}, wall), res
 

@@ -57,18 +57,25 @@ def parse_list(text: str, kind: type, what: str) -> list:
 
 
 def parse_slo(text: str) -> tuple[float, float]:
-    """`ttft=2,tpot=0.05` (seconds) -> (2.0, 0.05)."""
+    """`ttft=2000,tpot=50` -> (2.0, 0.05) seconds: milliseconds unless suffixed `s` or `ms`, as `bench --slo`."""
     vals = {"ttft": 2.0, "tpot": 0.1}
     for part in (p.strip() for p in text.split(",") if p.strip()):
         key, _, v = part.partition("=")
+        key, v = key.strip().lower(), v.strip().lower()
+        key = "tpot" if key == "itl" else key
         if key not in vals:
-            raise SweepError(f"--slo item {part!r}: expected ttft=SECONDS or tpot=SECONDS")
+            raise SweepError(f"--slo item {part!r}: expected ttft=MS or tpot=MS (milliseconds unless suffixed s)")
+        scale = 1e-3
+        if v.endswith("ms"):
+            v = v[:-2]
+        elif v.endswith("s"):
+            v, scale = v[:-1], 1.0
         try:
-            vals[key] = float(v)
+            vals[key] = float(v) * scale
         except ValueError:
-            raise SweepError(f"--slo item {part!r}: {v!r} is not a number of seconds") from None
+            raise SweepError(f"--slo item {part!r}: {v!r} is not a number of milliseconds") from None
         if vals[key] <= 0:
-            raise SweepError(f"--slo {key} must be > 0 seconds, got {v}")
+            raise SweepError(f"--slo {key} must be > 0, got {part!r}")
     return vals["ttft"], vals["tpot"]
 
 

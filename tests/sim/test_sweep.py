@@ -42,7 +42,8 @@ def test_sweep_marks_what_does_not_fit_and_parallel_equals_serial():
 
 
 def test_parse_errors_and_missing_ray(monkeypatch):
-    assert parse_slo("ttft=1.5,tpot=0.05") == (1.5, 0.05)
+    assert parse_slo("ttft=1500,tpot=50") == pytest.approx((1.5, 0.05))  # ms, like `bench --slo`
+    assert parse_slo("ttft=1.5s,tpot=50ms") == pytest.approx((1.5, 0.05))
     with pytest.raises(SweepError, match="expected ttft"):
         parse_slo("latency=3")
     import builtins
@@ -61,7 +62,7 @@ def test_parse_errors_and_missing_ray(monkeypatch):
 
 def test_cli_sweep_writes_report(tmp_path):
     r = CliRunner().invoke(app, ["sweep", "--model", "llama-3.1-8b", "--hw", "h100,a100", "--tp", "1,2",
-                                 "--rate", "4", "--num-requests", "60", "--slo", "ttft=2,tpot=0.05",
+                                 "--rate", "4", "--num-requests", "60", "--slo", "ttft=2000,tpot=50",
                                  "--workers", "1", "--out", str(tmp_path / "rep")])
     assert r.exit_code == 0, r.output
     assert "best meeting" in r.output

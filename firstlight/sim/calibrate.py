@@ -38,7 +38,7 @@ from firstlight.sim.model import ModelDesc
 from firstlight.sim.parallel import ParallelConfig
 
 NETWORK_OPS = ("tp_all_reduce", "pp_send")
-FITTED = ("compute", "memory", "step_overhead_us")
+FITTED = ("compute", "memory", "attention", "step_overhead_us", "seq_overhead_us")
 
 
 class CalibrationError(FirstlightError):
@@ -105,10 +105,13 @@ class StepTerms:
     network_s: np.ndarray  # per step
     num_steps: int
     seqs: np.ndarray | None = None  # per step
+    is_attention: np.ndarray | None = None  # per op
 
     def predict(self, compute: float, memory: float, kernel_overhead_us: float, step_overhead_us: float,
-                seq_overhead_us: float = 0.0) -> np.ndarray:
+                seq_overhead_us: float = 0.0, attention: float = 1.0) -> np.ndarray:
         op_t = np.maximum(self.t_compute / compute, self.t_memory / memory)
+        if attention != 1.0 and self.is_attention is not None:
+            op_t = np.where(self.is_attention, op_t / attention, op_t)
         t = np.bincount(self.op_step, weights=op_t, minlength=self.num_steps)
         t = t + self.kernels * kernel_overhead_us * 1e-6 + self.network_s + step_overhead_us * 1e-6
         if seq_overhead_us and self.seqs is not None:
@@ -123,6 +126,7 @@ def decompose(batches: list[Batch], model: ModelDesc, hw: HardwareSpec, par: Par
                           step_overhead_us=0.0, collective_overhead_us=base.collective_overhead_us)
     cm = CostModel(model, hw, par, efficiency=unit, runner=runner)
     op_step: list[int] = []
+    attn: list[bool] = []
     tcs: list[float] = []
     tms: list[float] = []
     kernels = np.zeros(len(batches))
@@ -134,11 +138,12 @@ def decompose(batches: list[Batch], model: ModelDesc, hw: HardwareSpec, par: Par
                 continue
             tc, tm = op.flops / cm.flops_s, op.bytes / cm.mem_bw
             op_step.append(j)
+            attn.append(op.name == "attention")
             tcs.append(tc)
             tms.append(tm)
             kernels[j] += (op.time_s - max(tc, tm)) / 1e-6
     return StepTerms(np.asarray(op_step, dtype=np.int64), np.asarray(tcs), np.asarray(tms), kernels, network,
-                     len(batches), np.array([b.num_seqs for b in batches], dtype=np.float64))
+                     len(batches), np.array([b.num_seqs for b in batches], dtype=np.float64), np.asarray(attn))
 
 
 # ---- the fit ----------------------------------------------------------------------------------------
@@ -156,18 +161,19 @@ def fit_efficiency(terms: StepTerms, measured_s: np.ndarray, start: EfficiencySp
     if fit_kernel is None:
         k_cv = float(np.std(terms.kernels) / max(np.mean(terms.kernels), 1e-12))
         fit_kernel = k_cv > 0.05
-    names = ["compute", "memory", "step_overhead_us", "seq_overhead_us"] + (["kernel_overhead_us"] if fit_kernel else [])
-    x0 = np.array([start.compute, start.memory, start.step_overhead_us, start.seq_overhead_us]
+    names = ["compute", "memory", "attention", "step_overhead_us", "seq_overhead_us"] + (
+        ["kernel_overhead_us"] if fit_kernel else [])
+    x0 = np.array([start.compute, start.memory, start.attention, start.step_overhead_us, start.seq_overhead_us]
                   + ([start.kernel_overhead_us] if fit_kernel else []), dtype=float)
-    lo = np.array([1e-3, 1e-3, 0.0, 0.0] + ([0.0] if fit_kernel else []))
-    hi = np.array([1.0, 1.0, np.inf, np.inf] + ([np.inf] if fit_kernel else []))
+    lo = np.array([1e-3, 1e-3, 1e-3, 0.0, 0.0] + ([0.0] if fit_kernel else []))
+    hi = np.array([1.0, 1.0, 1.0, np.inf, np.inf] + ([np.inf] if fit_kernel else []))
     x0 = np.clip(x0, lo + 1e-9, np.where(np.isinf(hi), np.inf, hi - 1e-9))
 
     def residual(x: np.ndarray) -> np.ndarray:
-        k = x[4] if fit_kernel else start.kernel_overhead_us
-        return terms.predict(x[0], x[1], k, x[2], x[3]) / measured_s - 1.0
+        k = x[5] if fit_kernel else start.kernel_overhead_us
+        return terms.predict(x[0], x[1], k, x[3], x[4], x[2]) / measured_s - 1.0
 
-    scale = np.maximum(np.abs(x0), [0.1, 0.1, 10.0, 10.0] + ([1.0] if fit_kernel else []))
+    scale = np.maximum(np.abs(x0), [0.1, 0.1, 0.1, 10.0, 10.0] + ([1.0] if fit_kernel else []))
     kw: dict[str, Any] = {"loss": "soft_l1", "f_scale": 0.05} if robust else {}
     sol = least_squares(residual, x0, bounds=(lo, hi), x_scale=scale, **kw)
     fit = dict(zip(names, (float(v) for v in sol.x), strict=True))
@@ -267,10 +273,11 @@ def calibrate(trace: Trace | list[Trace], model: ModelDesc, hw: HardwareSpec, pa
     measured = np.array([s.execute_s for s in steps])
     terms = decompose([s.batch for s in steps], model, hw, par, run)
     e0 = hw.efficiency
-    before = terms.predict(e0.compute, e0.memory, e0.kernel_overhead_us, e0.step_overhead_us, e0.seq_overhead_us)
+    before = terms.predict(e0.compute, e0.memory, e0.kernel_overhead_us, e0.step_overhead_us, e0.seq_overhead_us,
+                           e0.attention)
     fit, sol = fit_efficiency(terms, measured, e0)
     after = terms.predict(fit["compute"], fit["memory"], fit["kernel_overhead_us"], fit["step_overhead_us"],
-                          fit["seq_overhead_us"])
+                          fit["seq_overhead_us"], fit["attention"])
     host = fit_host(fit_traces)
     host_us = float(np.median(np.concatenate([host_times(t)[0] for t in fit_traces]))) * 1e6
     eff = e0.model_copy(update={**fit, "step_overhead_us": fit["step_overhead_us"] + host["step_us"],

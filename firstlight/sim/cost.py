@@ -84,9 +84,10 @@ class CostModel:
         self._logits_cache = lru_cache(maxsize=4096)(self._logits_time)
 
     # ---- primitives ---------------------------------------------------------------------------
-    def roofline(self, name: str, flops: float, nbytes: float, kernels: float = 1.0) -> OpCost:
-        tc = flops / self.flops_s
-        tm = nbytes / self.mem_bw
+    def roofline(self, name: str, flops: float, nbytes: float, kernels: float = 1.0, scale: float = 1.0) -> OpCost:
+        """`scale` divides the achieved rates (attention kernels' own efficiency, `EfficiencySpec.attention`)."""
+        tc = flops / (self.flops_s * scale)
+        tm = nbytes / (self.mem_bw * scale)
         over = kernels * self.kernel_s
         bound = "compute" if tc >= tm else "memory"
         if over > max(tc, tm):
@@ -220,7 +221,7 @@ class CostModel:
                 nbytes += kv_tok * keys_read + n * (qo_tok + kv_tok)
                 kernels += 1
             if kernels:
-                op = self.roofline("attention", flops, nbytes, kernels=min(kernels, 2))
+                op = self.roofline("attention", flops, nbytes, kernels=min(kernels, 2), scale=self.eff.attention)
                 ops.append(OpCost("attention", flops * L, nbytes * L, op.time_s * L, op.bound))
         return ops
 

@@ -130,34 +130,91 @@ def step(hw: str = HW, model_name: str = MODEL, tp: int = TP, pp: int = PP, ep: 
     typer.echo(f"step time {total * 1e3:.3f} ms; {b.num_tokens / total:.0f} tokens/s")
 
 
+NODES = typer.Option(None, "--nodes", help="cluster: scale-up domains (nodes); given, TP/EP collectives and KV "
+                     "transfers are priced over the two-tier fabric")
+PER_NODE = typer.Option(None, "--devices-per-node", help="cluster: devices per scale-up domain (default: the spec's)")
+NETWORK = typer.Option("fat_tree", "--network", help="cluster scale-out: fat_tree | rail_optimized | none")
+NIC = typer.Option(None, "--nic-gbps", help="cluster: NIC GB/s per device per direction (default: the spec's scale_out)")
+OVERSUB = typer.Option(1.0, "--oversubscription", help="cluster: leaf uplink oversubscription (1 = non-blocking)")
+SHARP = typer.Option(False, "--sharp/--no-sharp", help="cluster: in-network reduction on scale-out switches (CollNet)")
+
+
+def _cluster(nodes: int | None, per_node: int | None, network: str, nic_gbps: float | None, oversubscription: float,
+             sharp: bool, scale_up: str | None = None):  # -> ClusterConfig | None
+    from firstlight.errors import FirstlightError
+    from firstlight.sim.cluster import ClusterConfig
+
+    if nodes is None:
+        return None
+    if network not in ("fat_tree", "rail_optimized", "none"):
+        raise FirstlightError(f"--network {network!r}: expected fat_tree, rail_optimized or none")
+    return ClusterConfig(num_nodes=nodes, devices_per_node=per_node, network=network, nic_gbps=nic_gbps,
+                         oversubscription=oversubscription, sharp=sharp, scale_up=scale_up)
+
+
 @app.command()
 def collective(op: str = typer.Option("all_reduce", help="all_reduce | all_gather | reduce_scatter | all_to_all"),
                size: str = typer.Option("1GB", help="bytes per rank, e.g. 64KB, 1GB"),
-               ranks: int = 8, algorithm: str = "ring", topology: str = typer.Option("switch", help="switch, full_mesh, ring, torus2d, torus3d, fat_tree"),
-               hw: str = HW, bandwidth_gbps: float | None = None, latency_us: float | None = None) -> None:
-    """Time and bus bandwidth of a collective: alpha-beta closed form and routed over the topology."""
+               ranks: int = typer.Option(8, help="ranks taking part (with --nodes: default all devices)"),
+               algorithm: str = typer.Option("ring", help="ring, tree, halving_doubling, hierarchical, pairwise, "
+                                             "one_shot, nvls, or nccl (NCCL's tuner: algorithm x protocol)"),
+               topology: str = typer.Option("switch", help="single domain: switch, full_mesh, ring, torus2d, torus3d, "
+                                            "fat_tree, rail_optimized (with --nodes: the topology inside a node)"),
+               hw: str = HW, bandwidth_gbps: float | None = typer.Option(None, help="override the link GB/s"),
+               latency_us: float | None = typer.Option(None, help="override the link latency (us)"),
+               nodes: int | None = NODES, devices_per_node: int | None = PER_NODE, network: str = NETWORK,
+               nic_gbps: float | None = NIC, oversubscription: float = OVERSUB, sharp: bool = SHARP,
+               table: bool = typer.Option(False, "--table", help="busbw per size 8KB..8GB for every NCCL algorithm "
+                                          "and protocol, and NCCL's choice")) -> None:
+    """Time and bus bandwidth of a collective: closed form, routed over the topology, and NCCL's model."""
     from firstlight.core.hardware import load_spec
+    from firstlight.sim.cluster import ClusterConfig
     from firstlight.sim.collectives import bus_bandwidth_factor, get_algorithm, route_steps
+    from firstlight.sim.collectives.nccl import busbw_table, choose
     from firstlight.sim.topology import build_topology
 
     nbytes = _parse_size(size)
     spec = load_spec(hw)
+    cl = _cluster(nodes, devices_per_node, network, nic_gbps, oversubscription, sharp,
+                  None if topology == "switch" else topology)
+    if cl is not None and ranks == 8 and cl.devices(spec) != 8:
+        ranks = cl.devices(spec)
+    nccl_cl = cl or ClusterConfig(num_nodes=1, devices_per_node=ranks, nic_gbps=nic_gbps)
     link = spec.links.scale_up or spec.links.scale_out
     bw = (bandwidth_gbps * 1e9) if bandwidth_gbps else (link.bandwidth_bytes_per_s * spec.efficiency.network if link else 1e9)
+    if bandwidth_gbps:
+        spec = spec.model_copy(update={"links": spec.links.model_copy(update={"scale_up": (
+            spec.links.scale_up or link).model_copy(update={"bandwidth_gbps": bandwidth_gbps / spec.efficiency.network})})})
+    fab = nccl_cl.nccl_fabric(spec, ranks)
+    if table:
+        sizes = [8 * 2**10 * 8**i for i in range(7)] + [8 * 2**30]
+        rows = busbw_table(op, fab, sizes)
+        _print_json({"op": op, "ranks": ranks, "nodes": fab.num_nodes, "intra_gbps": fab.intra_bw / 1e9,
+                     "inter_gbps": fab.inter_bw / 1e9, "busbw_gbps": rows})
+        return
     lat = (latency_us * 1e-6) if latency_us is not None else (link.latency_s if link else 1e-6)
     alpha = lat + spec.efficiency.collective_overhead_us * 1e-6
-    alg = get_algorithm(algorithm)
-    closed = alg.closed_form(op, ranks, nbytes, alpha, bw)
-    graph = build_topology(topology, ranks, bw, lat)
-    routed = route_steps(alg.steps(op, ranks, nbytes), graph, alpha=alpha - lat)
     f = bus_bandwidth_factor(op, ranks)
-    _print_json({
-        "op": op, "bytes": nbytes, "ranks": ranks, "algorithm": algorithm, "topology": topology,
-        "link_bandwidth_gbps": bw / 1e9, "alpha_us": alpha * 1e6,
-        "closed_form_s": closed, "closed_form_busbw_gbps": nbytes / closed * f / 1e9,
-        "routed_s": routed.time_s, "routed_busbw_gbps": nbytes / routed.time_s * f / 1e9,
-        "num_steps": routed.num_steps, "max_hops": routed.max_hops, "max_flows_per_link": routed.max_link_flows,
-    })
+    out: dict = {"op": op, "bytes": nbytes, "ranks": ranks, "algorithm": algorithm,
+                 "link_bandwidth_gbps": bw / 1e9, "alpha_us": alpha * 1e6}
+    if op != "all_to_all":
+        a, proto, t = choose(op, nbytes, fab)
+        out["nccl"] = {"algorithm": a, "protocol": proto, "time_s": t, "busbw_gbps": nbytes / t * f / 1e9}
+    if algorithm == "nccl":
+        _print_json(out)
+        return
+    alg = get_algorithm(algorithm)
+    if cl is None:
+        closed = alg.closed_form(op, ranks, nbytes, alpha, bw)
+        out |= {"topology": topology, "closed_form_s": closed, "closed_form_busbw_gbps": nbytes / closed * f / 1e9}
+        graph = build_topology(topology, ranks, bw, lat)
+    else:
+        graph = cl.graph(spec)
+        out |= {"topology": graph.name, "nodes": cl.num_nodes, "network": cl.network}
+    routed = route_steps(alg.steps(op, ranks, nbytes), graph, alpha=alpha - lat)
+    out |= {"routed_s": routed.time_s, "routed_busbw_gbps": nbytes / routed.time_s * f / 1e9,
+            "num_steps": routed.num_steps, "max_hops": routed.max_hops, "max_flows_per_link": routed.max_link_flows}
+    _print_json(out)
 
 
 def _parse_size(s: str) -> float:
@@ -210,6 +267,10 @@ def serve(hw: str = HW, model_name: str = MODEL, tp: int = TP, pp: int = PP, ep:
           seed: int = typer.Option(0, help="workload random seed"),
           microbatches: int | None = typer.Option(None, help="pp > 1: micro-batches per step (default: pp)"),
           pipeline_schedule: str = typer.Option("gpipe", help="pp > 1: gpipe (flush each step) | async"),
+          kv_link: str = typer.Option("scale_out", help="disaggregation: the link KV transfers cross, scale_up | "
+                                      "scale_out (with --nodes: the cluster's NICs)"),
+          nodes: int | None = NODES, devices_per_node: int | None = PER_NODE, network: str = NETWORK,
+          nic_gbps: float | None = NIC, oversubscription: float = OVERSUB,
           weight_dtype: str | None = WDT, kv_dtype: str | None = KVDT,
           out: Path | None = typer.Option(None, help="write a report directory (result.json, PNG plots)")) -> None:
     """Simulate serving a workload: latency distributions, throughput, goodput, utilization, $/1M tokens.
@@ -229,7 +290,8 @@ def serve(hw: str = HW, model_name: str = MODEL, tp: int = TP, pp: int = PP, ep:
              "kv_capacity_tokens": kv_capacity_tokens}
     common = dict(tp=tp, pp=pp, ep=ep, num_replicas=replicas, num_prefill_replicas=prefill_replicas,
                   num_decode_replicas=decode_replicas, router=router, slo_ttft_s=ttft, slo_tpot_s=tpot,
-                  num_microbatches=microbatches, pipeline_schedule=pipeline_schedule)
+                  num_microbatches=microbatches, pipeline_schedule=pipeline_schedule, kv_link=kv_link,
+                  cluster=_cluster(nodes, devices_per_node, network, nic_gbps, oversubscription, False))
     if trace is not None and is_engine_trace(trace):
         _serve_engine_trace(trace, model, spec, {**common, **{k: v for k, v in knobs.items() if v is not None}},
                             runner, clock, per_request, out)

@@ -30,6 +30,8 @@ from functools import lru_cache
 from firstlight.core.batch import Batch
 from firstlight.core.hardware import DTYPE_BYTES, EfficiencySpec, HardwareSpec
 from firstlight.errors import FirstlightError
+from firstlight.sim.cluster import ClusterConfig
+from firstlight.sim.cluster import collective_time as cluster_collective_time
 from firstlight.sim.collectives import collective_time
 from firstlight.sim.model import LayerGroup, Linear, ModelDesc
 from firstlight.sim.parallel import ParallelConfig, check_parallel, kv_shard
@@ -58,7 +60,9 @@ class CostModel:
     def __init__(self, model: ModelDesc, hw: HardwareSpec, parallel: ParallelConfig | None = None,
                  compute_dtype: str | None = None, efficiency: EfficiencySpec | None = None,
                  flash_tile: int = 128, moe_imbalance: float | None = None,
-                 collective_algorithm: str = "auto", runner: str = "fused") -> None:
+                 collective_algorithm: str = "auto", runner: str = "fused", cluster: ClusterConfig | None = None,
+                 ) -> None:
+        self.cluster = cluster  # given: TP / EP collectives are routed over its graph
         if runner not in RUNNERS:
             raise CostModelError(f"--runner {runner!r}: expected one of {RUNNERS}")
         self.runner = runner
@@ -112,8 +116,12 @@ class CostModel:
     def _allreduce(self, name: str, nbytes: float, count: int) -> OpCost:
         if self.par.tp == 1 or nbytes <= 0:
             return OpCost(name, 0.0, 0.0, 0.0, "network")
-        alpha, bw = self._comm_link()
-        t = collective_time("all_reduce", nbytes, self.par.tp, alpha, bw, self.collective_algorithm)
+        if self.cluster is not None:
+            alg = "ring" if self.collective_algorithm in ("auto", "nccl") else self.collective_algorithm
+            t = cluster_collective_time(self.cluster, self.hw, "all_reduce", nbytes, list(range(self.par.tp)), alg)
+        else:
+            alpha, bw = self._comm_link()
+            t = collective_time("all_reduce", nbytes, self.par.tp, alpha, bw, self.collective_algorithm)
         return OpCost(name, 0.0, nbytes * count, t * count, "network")
 
     # ---- token-count-dependent ops (cached by m) ----------------------------------------------
@@ -158,9 +166,13 @@ class CostModel:
         c = self.roofline("moe_experts", flops, w_bytes + a_bytes, kernels=2)
         t = c.time_s
         if ep > tp:  # experts live outside this TP group: dispatch + combine all-to-all
-            alpha, bw = self._comm_link()
             nbytes = m * moe.top_k * self.model.hidden_size * self.ab / ep
-            t += 2 * collective_time("all_to_all", nbytes, ep, alpha, bw, "pairwise")
+            if self.cluster is not None:  # EP ranks span replicas: routed over the cluster's fabric
+                t += 2 * cluster_collective_time(self.cluster, self.hw, "all_to_all", nbytes, list(range(ep)),
+                                                 "pairwise")
+            else:
+                alpha, bw = self._comm_link()
+                t += 2 * collective_time("all_to_all", nbytes, ep, alpha, bw, "pairwise")
         return OpCost("moe_experts", flops * L, (w_bytes + a_bytes) * L, t * L, c.bound)
 
     def token_ops(self, m: int) -> list[OpCost]:

@@ -51,7 +51,7 @@ def check_parallel(model: ModelDesc, par: ParallelConfig) -> None:
         att = g.attention
         if att.num_heads % par.tp:
             raise ParallelError(
-                f"tensor parallel degree tp={par.tp} does not divide num_attention_heads={att.num_heads} of "
+                f"tensor parallel degree --tp {par.tp} does not divide num_attention_heads={att.num_heads} of "
                 f"{model.name}; choose tp from {[d for d in range(1, att.num_heads + 1) if att.num_heads % d == 0][:8]}"
             )
         if not att.is_mla and att.num_kv_heads % par.tp and par.tp % att.num_kv_heads:
@@ -60,14 +60,17 @@ def check_parallel(model: ModelDesc, par: ParallelConfig) -> None:
                 "(KV heads are split, or replicated when tp > num_key_value_heads)"
             )
     if par.pp > model.num_layers:
-        raise ParallelError(f"pipeline degree pp={par.pp} exceeds the {model.num_layers} layers of {model.name}")
+        raise ParallelError(f"pipeline degree --pp {par.pp} exceeds the {model.num_layers} layers of {model.name}")
     if par.ep > 1:
         if not model.is_moe:
-            raise ParallelError(f"expert parallel ep={par.ep} given but {model.name} has no experts; use ep=1")
+            raise ParallelError(f"expert parallel --ep {par.ep} given but {model.name} has no experts; use ep=1")
         if model.num_experts % par.ep:
-            raise ParallelError(f"ep={par.ep} does not divide the {model.num_experts} experts of {model.name}")
-        if (par.tp * par.dp) % par.ep:
-            raise ParallelError(f"ep={par.ep} must divide tp*dp={par.tp * par.dp} (EP ranks come from the TP x DP devices)")
+            raise ParallelError(f"--ep {par.ep} does not divide the {model.num_experts} experts of {model.name}")
+        if (par.tp * par.dp) % par.ep or (par.ep > par.tp and par.ep % par.tp):
+            raise ParallelError(
+                f"--ep {par.ep} does not divide the {par.tp * par.dp} devices of --tp {par.tp} x --replicas {par.dp} "
+                "(EP ranks come from the TP x DP devices; an EP group spanning replicas must be whole TP groups): "
+                f"choose --ep from {[d for d in range(1, par.tp * par.dp + 1) if (par.tp * par.dp) % d == 0 and (d <= par.tp or d % par.tp == 0)]}")
 
 
 def kv_shard(model: ModelDesc, par: ParallelConfig) -> int:

@@ -10,6 +10,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from firstlight.core.hardware import HardwareSpec
+from firstlight.sim.cluster import ClusterConfig
 from firstlight.sim.cost import CostModel
 from firstlight.sim.model import ModelDesc
 from firstlight.sim.parallel import ParallelConfig, plan_memory
@@ -35,6 +36,7 @@ class ServeConfig(BaseModel):
     kv_capacity_tokens: int | None = Field(default=None, ge=1)  # override the memory plan
     router: str = "round_robin"
     kv_link: str = "scale_out"  # the link KV transfers cross: scale_up | scale_out
+    cluster: ClusterConfig | None = None  # two-tier fabric: TP / EP collectives and KV transfers priced on it
     slo_ttft_s: float = Field(default=2.0, gt=0)
     slo_tpot_s: float = Field(default=0.1, gt=0)
 
@@ -59,7 +61,14 @@ def _percentiles(x: np.ndarray, weights: np.ndarray | None = None) -> dict[str, 
 
 def run_serve(model: ModelDesc, hw: HardwareSpec, workload: Workload, cfg: ServeConfig,
               cost_kwargs: dict[str, Any] | None = None) -> tuple[dict[str, Any], SimResult]:
-    par = ParallelConfig(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep)
+    dp = cfg.num_prefill_replicas + cfg.num_decode_replicas if cfg.num_prefill_replicas else cfg.num_replicas
+    par = ParallelConfig(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, dp=dp)
+    if cfg.cluster is not None:
+        need, have = par.num_devices, cfg.cluster.devices(hw)
+        if need > have:
+            raise SimConfigError(f"the deployment needs {need} devices (--tp x --pp x replicas) but the cluster has "
+                                 f"{have} (--nodes x devices per node); add --nodes or lower the replicas")
+        cost_kwargs = {"cluster": cfg.cluster, **(cost_kwargs or {})}
     cost = CostModel(model, hw, par, **(cost_kwargs or {}))
     plan = plan_memory(model, hw, par, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.memory_utilization)
     kv_tokens = cfg.kv_capacity_tokens or plan.kv_capacity_tokens
@@ -81,12 +90,22 @@ def run_serve(model: ModelDesc, hw: HardwareSpec, workload: Workload, cfg: Serve
         if disagg else None
     kv_transfer = None
     if disagg:
+        if cfg.kv_link not in ("scale_up", "scale_out"):
+            raise SimConfigError(f"--kv-link {cfg.kv_link!r}: expected scale_up or scale_out")
         link = getattr(hw.links, cfg.kv_link)
-        if link is None:
-            raise SimConfigError(f"hardware {hw.name} has no {cfg.kv_link} link to carry KV transfers")
-        # each device of the prefill replica sends its KV shard over its own link
-        bw = link.bandwidth_bytes_per_s * hw.efficiency.network * par.devices_per_replica
-        lat = link.latency_s
+        if cfg.cluster is not None and cfg.kv_link == "scale_out":
+            # over the cluster's NICs, each device's share of oversubscribed uplinks
+            _, _, nic_bw, lat = cfg.cluster.links(hw)
+            bw = nic_bw / cfg.cluster.oversubscription * par.devices_per_replica
+            if bw <= 0:
+                raise SimConfigError(f"--kv-link scale_out: hardware {hw.name} has no NIC; give --nic-gbps")
+        else:
+            if link is None:
+                raise SimConfigError(f"--kv-link {cfg.kv_link}: hardware {hw.name} has no {cfg.kv_link} link "
+                                     "to carry KV transfers")
+            # each device of the prefill replica sends its KV shard over its own link
+            bw = link.bandwidth_bytes_per_s * hw.efficiency.network * par.devices_per_replica
+            lat = link.latency_s
         prompts = reqs.prompt
 
         def kv_transfer(rid: int) -> float:

@@ -14,7 +14,7 @@ from firstlight.sim.parallel import (
 
 
 def test_tp_must_divide_heads():
-    with pytest.raises(ParallelError, match="tp=3 does not divide num_attention_heads=64"):
+    with pytest.raises(ParallelError, match="--tp 3 does not divide num_attention_heads=64"):
         plan_memory(load_model("llama-3.1-70b"), load_spec("h100"), ParallelConfig(tp=3))
 
 
@@ -38,7 +38,7 @@ def test_expert_parallel_splits_experts():
     w_tp = weight_bytes_per_device(m, ParallelConfig(tp=8))
     w_ep = weight_bytes_per_device(m, ParallelConfig(tp=8, ep=8))
     assert w_ep == pytest.approx(w_tp)  # same bytes per device, split by expert instead of by column
-    with pytest.raises(ParallelError, match="ep=3"):
+    with pytest.raises(ParallelError, match="--ep 3"):
         plan_memory(m, load_spec("h100"), ParallelConfig(tp=8, ep=3))
     with pytest.raises(ParallelError, match="no experts"):
         plan_memory(load_model("llama-3.1-8b"), load_spec("h100"), ParallelConfig(tp=2, ep=2))

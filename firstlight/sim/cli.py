@@ -472,10 +472,20 @@ def sweep(model_name: str = MODEL,
           pp: str = typer.Option("1", help="comma-separated PP degrees"),
           rate: str = typer.Option("4", help="comma-separated request rates (req/s)"),
           slo: str = typer.Option("ttft=2000,tpot=100", help="p90 SLOs, ms unless suffixed s (as `bench --slo`)"),
-          num_requests: int = 500, prompt_len: int = 512, output_len: int = 128, len_dist: str = "fixed",
-          replicas: int = 1, seed: int = 0,
+          num_requests: int = typer.Option(500, help="requests simulated per point"),
+          prompt_len: int = typer.Option(512, help="mean prompt tokens"),
+          output_len: int = typer.Option(128, help="mean output tokens"),
+          len_dist: str = typer.Option("fixed", help="length distribution: fixed | uniform (+-50%) | exponential"),
+          replicas: int = typer.Option(1, help="data-parallel replicas per point"),
+          seed: int = typer.Option(0, help="workload random seed"),
+          nodes: int | None = NODES, devices_per_node: int | None = PER_NODE, network: str = NETWORK,
+          nic_gbps: float | None = NIC, oversubscription: float = OVERSUB,
+          weight_dtype: str | None = WDT, kv_dtype: str | None = KVDT,
           workers: int | None = typer.Option(None, help="local processes (default: CPU count)"),
-          ray: bool = typer.Option(False, "--ray", help="run the points as Ray tasks (needs ray installed)"),
+          ray: bool = typer.Option(False, "--ray", help="run the points as Ray tasks (needs `firstlight[ray]`); "
+                                   "starts a local Ray cluster unless --ray-address is given"),
+          ray_address: str | None = typer.Option(None, help="with --ray: join this cluster (ray://HOST:10001, "
+                                                 "or auto for the one this machine is part of)"),
           out: Path | None = typer.Option(None, help="report directory: result.json, Pareto plot, index.html")) -> None:
     """Every (hardware, tp, pp, rate) through the serving simulator; table, Pareto plot, best config under SLO."""
     from rich.console import Console
@@ -494,9 +504,12 @@ def sweep(model_name: str = MODEL,
     ttft, tpot = parse_slo(slo)
     points = grid(parse_list(hw, str, "--hw"), parse_list(tp, int, "--tp"), parse_list(pp, int, "--pp"),
                   parse_list(rate, float, "--rate"))
+    _model(model_name, weight_dtype, kv_dtype)  # fail here, not in every worker
+    cl = _cluster(nodes, devices_per_node, network, nic_gbps, oversubscription, False)
     spec = SweepSpec(model_name, num_requests, prompt_len, output_len, len_dist=len_dist, seed=seed,
-                     num_replicas=replicas, slo_ttft_s=ttft, slo_tpot_s=tpot)
-    rows = run_sweep(points, spec, workers, ray)
+                     num_replicas=replicas, slo_ttft_s=ttft, slo_tpot_s=tpot, weight_dtype=weight_dtype,
+                     kv_dtype=kv_dtype, serve_kwargs={"cluster": cl} if cl else {})
+    rows = run_sweep(points, spec, workers, ray or ray_address is not None, ray_address)
     t = Table("hw", "tp", "pp", "rate", "devices", "p90 TTFT s", "p90 TPOT ms", "out tok/s", "$/1M out", "SLO",
               title=f"{model_name}: {len(rows)} points")
     for r in rows:

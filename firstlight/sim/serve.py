@@ -33,6 +33,7 @@ class ServeConfig(BaseModel):
     max_num_seqs: int = Field(default=256, ge=1)
     block_size: int = Field(default=16, ge=1)
     memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    watermark: float = Field(default=0.01, ge=0, lt=1)  # free-KV fraction kept back at admission (vLLM)
     kv_capacity_tokens: int | None = Field(default=None, ge=1)  # override the memory plan
     router: str = "round_robin"
     kv_link: str = "scale_out"  # the link KV transfers cross: scale_up | scale_out
@@ -79,7 +80,8 @@ def run_serve(model: ModelDesc, hw: HardwareSpec, workload: Workload, cfg: Serve
             "raise tp/pp or memory_utilization, or shorten the workload"
         )
     sched = SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.block_size,
-                            num_microbatches=cfg.num_microbatches or cfg.pp, pipeline_schedule=cfg.pipeline_schedule)
+                            num_microbatches=cfg.num_microbatches or cfg.pp, pipeline_schedule=cfg.pipeline_schedule,
+                            watermark=cfg.watermark)
     reqs = Requests(workload)
     disagg = cfg.num_prefill_replicas > 0
     if disagg and cfg.num_decode_replicas < 1:

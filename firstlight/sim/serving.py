@@ -44,10 +44,16 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     num_microbatches: int = 1  # with pp > 1: micro-batches each step is split into
     pipeline_schedule: str = "gpipe"  # gpipe (flush every step) | async (steps overlap, vLLM virtual engines)
+    # admit a new request only if this fraction of all KV blocks stays free after it (vLLM's
+    # BlockSpaceManager watermark, 0.01 by default): headroom for the running requests' next decode
+    # blocks, so an admission does not force a preemption one step later (thrashing)
+    watermark: float = 0.01
 
     def __post_init__(self) -> None:
         if self.pipeline_schedule not in ("gpipe", "async"):
             raise SimConfigError(f"pipeline_schedule {self.pipeline_schedule!r}: expected gpipe or async")
+        if not 0 <= self.watermark < 1:
+            raise SimConfigError(f"scheduler watermark must be in [0, 1), got {self.watermark}")
         for k in ("max_num_batched_tokens", "max_num_seqs", "block_size", "num_microbatches"):
             if getattr(self, k) < 1:
                 raise SimConfigError(f"scheduler {k} must be >= 1, got {getattr(self, k)}")
@@ -82,6 +88,7 @@ class Replica:
         self.num_blocks = kv_capacity_tokens // B
         if self.num_blocks < 1:
             raise SimConfigError(f"replica {idx}: KV capacity {kv_capacity_tokens} tokens < one block of {B}")
+        self.watermark_blocks = int(sched.watermark * self.num_blocks)
         self.free_blocks = self.num_blocks
         self.waiting: deque[int] = deque()
         self.prefilling: dict[int, list[int]] = {}  # rid -> [done, target]
@@ -201,7 +208,7 @@ class Replica:
             if n > budget and chunks:
                 break
             blocks = self._blocks(done + n)
-            if blocks > self.free_blocks:
+            if blocks > self.free_blocks - (self.watermark_blocks if self.running else 0):
                 break
             self.waiting.popleft()
             self.free_blocks -= blocks

@@ -69,3 +69,16 @@ def test_cli_sweep_writes_report(tmp_path):
     res = json.loads((tmp_path / "rep" / "result.json").read_text())
     assert len(res["rows"]) == 4 and res["best"]["meets_slo"]
     assert (tmp_path / "rep" / "pareto_cost_vs_tpot.png").is_file()
+
+
+@pytest.mark.slow
+def test_ray_sweep_equals_local_sweep():
+    """Starts a local Ray cluster (2 CPUs), runs a small sweep on it, compares with local processes."""
+    pytest.importorskip("ray", reason="the optional extra firstlight[ray] is not installed")
+    points = grid(["h100", "mi300x"], [1, 2], [1], [2.0, 8.0])
+    spec = SweepSpec("llama-3.1-8b", num_requests=40, prompt_len=256, output_len=32)
+    local = run_sweep(points, spec, workers=1)
+    on_ray = run_sweep(points, spec, workers=2, use_ray=True)
+    strip = [{k: v for k, v in r.items() if k != "sim_wall_s"} for r in local]
+    assert [{k: v for k, v in r.items() if k != "sim_wall_s"} for r in on_ray] == strip
+    assert all(r["fits"] for r in local)

@@ -531,3 +531,52 @@ def sweep(model_name: str = MODEL,
     if out:
         write_sweep_report(out, rows, spec)
         typer.echo(f"report: {out}/index.html")
+
+
+@app.command()
+def longctx(hw: str = HW, model_name: str = typer.Option("llama-3.1-70b", "--model", help="config.json path, "
+                                                         "checkpoint dir, or preset name"),
+            tp: int = TP,
+            cp: str = typer.Option("1,2,4,8", help="comma-separated context-parallel degrees (ring attention)"),
+            context: str = typer.Option("131072,262144,524288,1048576", help="comma-separated context lengths"),
+            chunk: int = typer.Option(8192, help="prefill chunk (tokens per step)"),
+            kv_offload_gbps: float | None = typer.Option(None, help="offload KV that does not fit to host memory over "
+                                                         "a link of this many GB/s (PCIe 5 x16: ~64)"),
+            memory_utilization: float = MEM_UTIL, weight_dtype: str | None = WDT, kv_dtype: str | None = KVDT,
+            nodes: int | None = NODES, devices_per_node: int | None = PER_NODE, network: str = NETWORK,
+            nic_gbps: float | None = NIC) -> None:
+    """Long context (100K-1M tokens) for TP x CP: TTFT of the whole prompt, one decode step, KV per device."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from firstlight.core.hardware import load_spec
+    from firstlight.sim.cost import CostModel
+    from firstlight.sim.parallel import DoesNotFitError, ParallelConfig, plan_memory
+    from firstlight.sim.sweep import parse_list
+
+    spec, model = load_spec(hw), _model(model_name, weight_dtype, kv_dtype)
+    cl = _cluster(nodes, devices_per_node, network, nic_gbps, 1.0, False)
+    t = Table("context", "tp x cp", "devices", "KV GB/device", "KV on host", "TTFT s", "decode ms/token",
+              title=f"{model.name} on {spec.name}: one request, prefill in {chunk}-token chunks")
+    for n_ctx in parse_list(context, int, "--context"):
+        for c in parse_list(cp, int, "--cp"):
+            par = ParallelConfig(tp=tp, cp=c)
+            try:
+                plan = plan_memory(model, spec, par, chunk, 1, memory_utilization)
+            except DoesNotFitError:
+                t.add_row(f"{n_ctx:,}", f"{tp} x {c}", str(tp * c), "-", "weights do not fit", "-", "-")
+                continue
+            frac = max(0.0, 1 - plan.kv_capacity_tokens / n_ctx)
+            if frac and kv_offload_gbps is None:
+                t.add_row(f"{n_ctx:,}", f"{tp} x {c}", str(tp * c), f"{n_ctx * plan.kv_bytes_per_token / 1e9:.1f}",
+                          "KV does not fit", "-", "-")
+                continue
+            cm = CostModel(model, spec, par, cluster=cl, host_kv_fraction=min(frac, 0.999),
+                           host_kv_gbps=kv_offload_gbps or 64.0)
+            ttft = sum(cm.step_time(min(chunk, n_ctx - d), 1, 0, 0.0, [(min(chunk, n_ctx - d), d)])
+                       for d in range(0, n_ctx, chunk))
+            decode = cm.step_time(1, 1, 1, float(n_ctx + 1))
+            t.add_row(f"{n_ctx:,}", f"{tp} x {c}", str(tp * c), f"{n_ctx * plan.kv_bytes_per_token / 1e9:.1f}",
+                      f"{frac:.0%}", f"{ttft:.2f}", f"{decode * 1e3:.1f}")
+    Console(width=140).print(t)
+    typer.echo("KV that does not fit: give --kv-offload-gbps to keep it in host memory, or raise --cp")

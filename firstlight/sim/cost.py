@@ -61,7 +61,11 @@ class CostModel:
                  compute_dtype: str | None = None, efficiency: EfficiencySpec | None = None,
                  flash_tile: int = 128, moe_imbalance: float | None = None,
                  collective_algorithm: str = "auto", runner: str = "fused", cluster: ClusterConfig | None = None,
-                 ) -> None:
+                 host_kv_fraction: float = 0.0, host_kv_gbps: float = 64.0) -> None:
+        if not 0 <= host_kv_fraction < 1:
+            raise CostModelError(f"host KV fraction must be in [0, 1), got {host_kv_fraction}")
+        self.host_kv_fraction = host_kv_fraction  # of the KV read from host memory (KV offload)
+        self.host_kv_bw = host_kv_gbps * 1e9  # host <-> device link, bytes/s (PCIe 5 x16: ~64 GB/s)
         self.cluster = cluster  # given: TP / EP collectives are routed over its graph
         if runner not in RUNNERS:
             raise CostModelError(f"--runner {runner!r}: expected one of {RUNNERS}")
@@ -104,10 +108,12 @@ class CostModel:
         c = self.roofline(lin.name, flops, nbytes)
         return OpCost(lin.name, flops * layers, nbytes * layers, c.time_s * layers, c.bound)
 
-    def _comm_link(self) -> tuple[float, float]:
-        """(alpha, bandwidth) of the link TP collectives use: scale-up if the group fits in one domain."""
+    def _comm_link(self, group: int | None = None) -> tuple[float, float]:
+        """(alpha, bandwidth) of the link a group's collectives use: scale-up if the group (default: the TP
+        group; for CP ranks: tp x cp devices) fits in one domain."""
         links = self.hw.links
-        link = links.scale_up if links.scale_up and self.par.tp <= links.scale_up.domain_size else links.scale_out
+        span = self.par.tp * (group or 1) if group else self.par.tp
+        link = links.scale_up if links.scale_up and span <= links.scale_up.domain_size else links.scale_out
         if link is None:
             return 0.0, float("inf")
         alpha = link.latency_s + self.eff.collective_overhead_us * 1e-6
@@ -233,9 +239,33 @@ class CostModel:
                 nbytes += kv_tok * keys_read + n * (qo_tok + kv_tok)
                 kernels += 1
             if kernels:
-                op = self.roofline("attention", flops, nbytes, kernels=min(kernels, 2), scale=self.eff.attention)
-                ops.append(OpCost("attention", flops * L, nbytes * L, op.time_s * L, op.bound))
+                ops.append(self._attention_cost(flops, nbytes, kernels, L, kv_tok, num_decode, prefill_chunks, qo_tok))
         return ops
+
+    def _attention_cost(self, flops: float, nbytes: float, kernels: int, layers: int, kv_tok: float,
+                        num_decode: int, chunks: list[tuple[int, int]], qo_tok: float) -> OpCost:
+        """One layer group's attention, split over `cp` context-parallel ranks, part of the KV on the host.
+
+        Context parallelism (ring attention, Liu et al. 2023; Megatron-LM context parallel): each CP rank
+        holds 1/cp of every sequence's KV and computes 1/cp of the (query, key) pairs; for prefill the KV
+        shards travel around the ring, (cp-1) sends of one shard per layer, overlapped with compute
+        (time = max(compute, ring)). Decode combines the ranks' partial outputs (and log-sum-exp) with one
+        small all-gather per layer. KV offload: the fraction `host_kv_fraction` of the KV is read over
+        the host link (`host_kv_gbps`) instead of device memory."""
+        cp = self.par.cp
+        flops, nbytes = flops / cp, nbytes / cp
+        f = self.host_kv_fraction
+        kv_bytes = nbytes if f else 0.0
+        op = self.roofline("attention", flops, nbytes * (1 - f), kernels=min(kernels, 2), scale=self.eff.attention)
+        t = op.time_s
+        if f:  # the offloaded part streams from host memory at the host link's rate
+            t = max(t, kv_bytes * f / self.host_kv_bw + self.kernel_s)
+        if cp > 1:
+            alpha, bw = self._comm_link(cp)
+            ring = sum((cp - 1) * (alpha + (c + n) / cp * kv_tok / bw) for n, c in chunks)
+            gather = collective_time("all_gather", num_decode * qo_tok * 2, cp, alpha, bw, "ring") if num_decode else 0.0
+            t = max(t, ring) + gather
+        return OpCost("attention", flops * layers, nbytes * layers, t * layers, op.bound)
 
     # ---- whole step ---------------------------------------------------------------------------
     def step_time(self, num_tokens: int, num_seqs: int, num_decode: int = 0, decode_ctx_sum: float = 0.0,
@@ -245,9 +275,10 @@ class CostModel:
         if num_tokens <= 0:
             return 0.0
         t = self.step_s + self.seq_s * num_seqs
+        cp = self.par.cp
         for m, s, nd, ctx, chunks, wctx in self.forwards(num_tokens, num_seqs, num_decode, decode_ctx_sum,
                                                           prefill_chunks, decode_window_ctx_sum):
-            t += self._token_cache(m) + self._logits_cache(s)
+            t += self._token_cache(-(-m // cp)) + self._logits_cache(s)  # CP ranks share a step's tokens
             for op in self.attention_ops(nd, ctx, chunks, wctx):
                 t += op.time_s
         return t

@@ -32,17 +32,18 @@ class ParallelConfig(BaseModel):
     pp: int = Field(default=1, ge=1)
     ep: int = Field(default=1, ge=1)
     dp: int = Field(default=1, ge=1)
+    cp: int = Field(default=1, ge=1)  # context parallel: each sequence's tokens and KV split over cp ranks
 
     @property
     def devices_per_replica(self) -> int:
-        return self.tp * self.pp
+        return self.tp * self.pp * self.cp
 
     @property
     def num_devices(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
 
     def describe(self) -> str:
-        return f"tp={self.tp} pp={self.pp} ep={self.ep} dp={self.dp}"
+        return f"tp={self.tp} pp={self.pp} ep={self.ep} dp={self.dp}" + (f" cp={self.cp}" if self.cp > 1 else "")
 
 
 def check_parallel(model: ModelDesc, par: ParallelConfig) -> None:
@@ -92,7 +93,7 @@ def weight_bytes_per_device(model: ModelDesc, par: ParallelConfig) -> float:
 
 
 def kv_bytes_per_token_per_device(model: ModelDesc, par: ParallelConfig) -> float:
-    return model.kv_bytes_per_token() / kv_shard(model, par) / par.pp
+    return model.kv_bytes_per_token() / kv_shard(model, par) / par.pp / par.cp
 
 
 def activation_bytes_per_device(model: ModelDesc, par: ParallelConfig, max_num_batched_tokens: int,

@@ -579,4 +579,4 @@ def longctx(hw: str = HW, model_name: str = typer.Option("llama-3.1-70b", "--mod
             t.add_row(f"{n_ctx:,}", f"{tp} x {c}", str(tp * c), f"{n_ctx * plan.kv_bytes_per_token / 1e9:.1f}",
                       f"{frac:.0%}", f"{ttft:.2f}", f"{decode * 1e3:.1f}")
     Console(width=140).print(t)
-    typer.echo("KV that does not fit: give --kv-offload-gbps to keep it in host memory, or raise --cp")
+    typer.echo("KV beyond device memory: give --kv-offload-gbps to keep it in host memory, or raise --cp")

@@ -13,6 +13,7 @@ from rich.console import Console
 
 from firstlight.bench.cli import app as bench_app
 from firstlight.bringup.cli import bringup
+from firstlight.core.trace_cli import app as trace_app
 from firstlight.engine.cli import serve
 from firstlight.errors import FirstlightError
 from firstlight.eval.cli import app as eval_app
@@ -36,6 +37,7 @@ app.command()(bringup)
 app.command()(serve)
 app.add_typer(bench_app, name="bench")
 app.add_typer(sim_app, name="sim")
+app.add_typer(trace_app, name="trace")
 app.add_typer(eval_app, name="eval")
 app.add_typer(train_app, name="train")
 

@@ -112,8 +112,11 @@ class EfficiencySpec(_Strict):
     compute: float = Field(default=0.7, gt=0, le=1)
     memory: float = Field(default=0.8, gt=0, le=1)
     network: float = Field(default=0.8, gt=0, le=1)
+    attention: float = Field(default=1.0, gt=0, le=1)  # attention kernels reach this fraction of compute/memory
     kernel_overhead_us: float = Field(default=4.0, ge=0)  # per kernel launch / fixed cost
-    step_overhead_us: float = Field(default=0.0, ge=0)  # per engine step (scheduling, sampling, host)
+    step_overhead_us: float = Field(default=0.0, ge=0)  # per engine step (scheduling, launch, host)
+    seq_overhead_us: float = Field(default=0.0, ge=0)  # per sequence per step (sampling, detokenize, output)
+    request_overhead_us: float = Field(default=0.0, ge=0)  # per request once (API server, tokenize, admission)
     collective_overhead_us: float = Field(default=0.0, ge=0)  # software alpha per collective step
 
 

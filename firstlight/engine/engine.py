@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from firstlight.core.trace import StepRecord, append_step, write_header
+from firstlight.core.trace import RequestRecord, StepRecord, append_request, append_step, write_header
 from firstlight.engine.detokenizer import IncrementalDetokenizer
 from firstlight.engine.kv_manager import KVCacheManager
 from firstlight.engine.metrics import EngineMetrics
@@ -227,13 +227,16 @@ class LLMEngine:
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t_start = time.perf_counter()
+        cpu_start = time.thread_time()
         batch = self.scheduler.schedule()
         t_sched = time.perf_counter()
         if not batch.seqs:
             return self._release_finished()
         requests = self.scheduler.requests
+        cpu_sched = time.thread_time()
         exec_out = self.runner.execute(batch, requests)
         t_exec = time.perf_counter()
+        cpu_exec = time.thread_time()
 
         sampled: dict[str, list[int]] = {}
         new_lps: dict[str, TokenLogprobs] = {}
@@ -280,6 +283,8 @@ class LLMEngine:
                 schedule_s=t_sched - t_start,
                 execute_s=t_exec - t_sched,
                 sample_s=(t_sample - t_exec) + (t_end - now),
+                cpu_s={"schedule": cpu_sched - cpu_start, "execute": cpu_exec - cpu_sched,
+                       "sample": time.thread_time() - cpu_exec},
                 stats={
                     "kv_usage": self.kv.usage,
                     "num_running": self.scheduler.num_running,
@@ -320,8 +325,25 @@ class LLMEngine:
             if state is None:
                 continue
             self.metrics.on_finish(req)
+            if self._trace_file is not None:
+                self._trace_request(state)
             outputs.append(self._make_output(state))
         return outputs
+
+    def _trace_request(self, state: _RequestState) -> None:
+        """One request line per finished request: the workload the simulator replays from this trace."""
+        req, t0 = state.request, self._t0
+        append_request(self._trace_file, RequestRecord(
+            request_id=req.request_id,
+            arrival_s=req.arrival_s - t0,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            first_token_s=None if state.first_token_s is None else state.first_token_s - t0,
+            finish_s=time.perf_counter() - t0,
+            num_cached_tokens=req.num_cached_tokens,
+            num_preemptions=req.num_preemptions,
+            finish_reason=req.status.finish_reason,
+        ))
 
     def _make_output(self, state: _RequestState) -> RequestOutput:
         req = state.request

@@ -10,7 +10,12 @@ query tile of `flash_tile` rows, the new K/V written once; FLOPs 2*H*(d_qk + d_v
 pair. MoE layers read the experts that receive at least one token and compute the most-loaded
 EP rank's share (balls-into-bins imbalance). TP adds two all-reduces per layer on the scale-up link;
 PP adds a point-to-point send per stage boundary. Each step adds the spec's step overhead (host
-scheduling, sampling).
+scheduling, launch) and a per-sequence overhead (sampling, detokenize, output processing).
+
+`runner` says how the engine turns one Batch into forwards: `fused` (vLLM, TensorRT-LLM, SGLang: one
+forward over the flattened tokens of every sequence) or `grouped` (firstlight's own runner: one
+forward per distinct chunk length, `ModelRunner.execute` in engine/runner.py), where every forward
+reads the weights and launches its kernels again.
 
 `CostModel.time(batch)` prices the Batch the engine scheduler emits; `step_time(...)` prices the same
 work from aggregates (what the serving simulator tracks) and is what `time()` calls, so both agree.
@@ -24,6 +29,9 @@ from functools import lru_cache
 
 from firstlight.core.batch import Batch
 from firstlight.core.hardware import DTYPE_BYTES, EfficiencySpec, HardwareSpec
+from firstlight.errors import FirstlightError
+from firstlight.sim.cluster import ClusterConfig
+from firstlight.sim.cluster import collective_time as cluster_collective_time
 from firstlight.sim.collectives import collective_time
 from firstlight.sim.model import LayerGroup, Linear, ModelDesc
 from firstlight.sim.parallel import ParallelConfig, check_parallel, kv_shard
@@ -42,11 +50,27 @@ class OpCost:
         return asdict(self)
 
 
+RUNNERS = ("fused", "grouped")
+
+
+class CostModelError(FirstlightError):
+    """A cost-model option the model does not know."""
+
+
 class CostModel:
     def __init__(self, model: ModelDesc, hw: HardwareSpec, parallel: ParallelConfig | None = None,
                  compute_dtype: str | None = None, efficiency: EfficiencySpec | None = None,
                  flash_tile: int = 128, moe_imbalance: float | None = None,
-                 collective_algorithm: str = "auto") -> None:
+                 collective_algorithm: str = "auto", runner: str = "fused", cluster: ClusterConfig | None = None,
+                 host_kv_fraction: float = 0.0, host_kv_gbps: float = 64.0) -> None:
+        if not 0 <= host_kv_fraction < 1:
+            raise CostModelError(f"host KV fraction must be in [0, 1), got {host_kv_fraction}")
+        self.host_kv_fraction = host_kv_fraction  # of the KV read from host memory (KV offload)
+        self.host_kv_bw = host_kv_gbps * 1e9  # host <-> device link, bytes/s (PCIe 5 x16: ~64 GB/s)
+        self.cluster = cluster  # given: TP / EP collectives are routed over its graph
+        if runner not in RUNNERS:
+            raise CostModelError(f"--runner {runner!r}: expected one of {RUNNERS}")
+        self.runner = runner
         self.model = model
         self.hw = hw
         self.par = parallel or ParallelConfig()
@@ -62,6 +86,7 @@ class CostModel:
         self.mem_bw = hw.memory.bandwidth_bytes_per_s * self.eff.memory
         self.kernel_s = self.eff.kernel_overhead_us * 1e-6
         self.step_s = self.eff.step_overhead_us * 1e-6
+        self.seq_s = self.eff.seq_overhead_us * 1e-6
         self.wb_by_group = {g: DTYPE_BYTES[prec.weights(g)] for g in ("attention", "mlp", "experts", "lm_head")}
         self.wb = self.wb_by_group["mlp"]
         self.ab = DTYPE_BYTES[prec.activations]
@@ -76,9 +101,11 @@ class CostModel:
 
     # ---- primitives ---------------------------------------------------------------------------
     def roofline(self, name: str, flops: float, nbytes: float, kernels: float = 1.0,
-                 flops_s: float | None = None) -> OpCost:
-        tc = flops / (flops_s or self.flops_s)
-        tm = nbytes / self.mem_bw
+                 flops_s: float | None = None, scale: float = 1.0) -> OpCost:
+        """`flops_s`: the math rate of the op's precision group (default: the MLP's); `scale` divides the
+        achieved rates (attention kernels' own efficiency, `EfficiencySpec.attention`)."""
+        tc = flops / ((flops_s or self.flops_s) * scale)
+        tm = nbytes / (self.mem_bw * scale)
         over = kernels * self.kernel_s
         bound = "compute" if tc >= tm else "memory"
         if over > max(tc, tm):
@@ -116,8 +143,12 @@ class CostModel:
     def _allreduce(self, name: str, nbytes: float, count: int) -> OpCost:
         if self.par.tp == 1 or nbytes <= 0:
             return OpCost(name, 0.0, 0.0, 0.0, "network")
-        alpha, bw = self._comm_link()
-        t = collective_time("all_reduce", nbytes, self.par.tp, alpha, bw, self.collective_algorithm)
+        if self.cluster is not None:
+            alg = "ring" if self.collective_algorithm in ("auto", "nccl") else self.collective_algorithm
+            t = cluster_collective_time(self.cluster, self.hw, "all_reduce", nbytes, list(range(self.par.tp)), alg)
+        else:
+            alpha, bw = self._comm_link()
+            t = collective_time("all_reduce", nbytes, self.par.tp, alpha, bw, self.collective_algorithm)
         return OpCost(name, 0.0, nbytes * count, t * count, "network")
 
     # ---- token-count-dependent ops (cached by m) ----------------------------------------------
@@ -162,9 +193,13 @@ class CostModel:
         c = self.roofline("moe_experts", flops, w_bytes + a_bytes, kernels=2, flops_s=self.flops_by_group["mlp"])
         t = c.time_s
         if ep > tp:  # experts live outside this TP group: dispatch + combine all-to-all
-            alpha, bw = self._comm_link(ep)
             nbytes = m * moe.top_k * self.model.hidden_size * self.ab / ep
-            t += 2 * collective_time("all_to_all", nbytes, ep, alpha, bw, "pairwise")
+            if self.cluster is not None:  # EP ranks span replicas: routed over the cluster's fabric
+                t += 2 * cluster_collective_time(self.cluster, self.hw, "all_to_all", nbytes, list(range(ep)),
+                                                 "pairwise")
+            else:
+                alpha, bw = self._comm_link(ep)
+                t += 2 * collective_time("all_to_all", nbytes, ep, alpha, bw, "pairwise")
         return OpCost("moe_experts", flops * L, (w_bytes + a_bytes) * L, t * L, c.bound)
 
     def token_ops(self, m: int) -> list[OpCost]:
@@ -228,10 +263,34 @@ class CostModel:
                 nbytes += kv_tok * keys_read + n * (qo_tok + kv_tok)
                 kernels += 1
             if kernels:
-                op = self.roofline("attention", flops, nbytes, kernels=min(kernels, 2),
-                                   flops_s=self.flops_by_group["sdpa"])
-                ops.append(OpCost("attention", flops * L, nbytes * L, op.time_s * L, op.bound))
+                ops.append(self._attention_cost(flops, nbytes, kernels, L, kv_tok, num_decode, prefill_chunks, qo_tok))
         return ops
+
+    def _attention_cost(self, flops: float, nbytes: float, kernels: int, layers: int, kv_tok: float,
+                        num_decode: int, chunks: list[tuple[int, int]], qo_tok: float) -> OpCost:
+        """One layer group's attention, split over `cp` context-parallel ranks, part of the KV on the host.
+
+        Context parallelism (ring attention, Liu et al. 2023; Megatron-LM context parallel): each CP rank
+        holds 1/cp of every sequence's KV and computes 1/cp of the (query, key) pairs; for prefill the KV
+        shards travel around the ring, (cp-1) sends of one shard per layer, overlapped with compute
+        (time = max(compute, ring)). Decode combines the ranks' partial outputs (and log-sum-exp) with one
+        small all-gather per layer. KV offload: the fraction `host_kv_fraction` of the KV is read over
+        the host link (`host_kv_gbps`) instead of device memory."""
+        cp = self.par.cp
+        flops, nbytes = flops / cp, nbytes / cp
+        f = self.host_kv_fraction
+        kv_bytes = nbytes if f else 0.0
+        op = self.roofline("attention", flops, nbytes * (1 - f), kernels=min(kernels, 2),
+                           flops_s=self.flops_by_group["sdpa"], scale=self.eff.attention)
+        t = op.time_s
+        if f:  # the offloaded part streams from host memory at the host link's rate
+            t = max(t, kv_bytes * f / self.host_kv_bw + self.kernel_s)
+        if cp > 1:
+            alpha, bw = self._comm_link(self.par.tp * cp)  # the ring spans tp x cp devices
+            ring = sum((cp - 1) * (alpha + (c + n) / cp * kv_tok / bw) for n, c in chunks)
+            gather = collective_time("all_gather", num_decode * qo_tok * 2, cp, alpha, bw, "ring") if num_decode else 0.0
+            t = max(t, ring) + gather
+        return OpCost("attention", flops * layers, nbytes * layers, t * layers, op.bound)
 
     def _scan_ops(self, g: LayerGroup, num_decode: int, prefill_chunks: list[tuple[int, int]]) -> list[OpCost]:
         """A linear-attention group: the recurrence over every new token, reading and writing each
@@ -255,10 +314,31 @@ class CostModel:
         """Seconds for one step from aggregates; decode contexts count the token computed this step."""
         if num_tokens <= 0:
             return 0.0
-        t = self.step_s + self._token_cache(num_tokens) + self._logits_cache(num_seqs)
-        for op in self.attention_ops(num_decode, decode_ctx_sum, list(prefill_chunks), decode_window_ctx_sum):
-            t += op.time_s
+        t = self.step_s + self.seq_s * num_seqs
+        cp = self.par.cp
+        for m, s, nd, ctx, chunks, wctx in self.forwards(num_tokens, num_seqs, num_decode, decode_ctx_sum,
+                                                          prefill_chunks, decode_window_ctx_sum):
+            t += self._token_cache(-(-m // cp)) + self._logits_cache(s)  # CP ranks share a step's tokens
+            for op in self.attention_ops(nd, ctx, chunks, wctx):
+                t += op.time_s
         return t
+
+    def forwards(self, num_tokens: int, num_seqs: int, num_decode: int, decode_ctx_sum: float,
+                 prefill_chunks: list[tuple[int, int]] | tuple, decode_window_ctx_sum: float | None = None,
+                 ) -> list[tuple[int, int, int, float, list[tuple[int, int]], float | None]]:
+        """The forwards one step runs: (tokens, seqs, decodes, decode context, prefill chunks, window ctx) each."""
+        chunks = list(prefill_chunks)
+        if self.runner == "fused" or not chunks:
+            return [(num_tokens, num_seqs, num_decode, decode_ctx_sum, chunks, decode_window_ctx_sum)]
+        out: list[tuple[int, int, int, float, list[tuple[int, int]], float | None]] = []
+        if num_decode:
+            out.append((num_decode, num_decode, num_decode, decode_ctx_sum, [], decode_window_ctx_sum))
+        by_len: dict[int, list[tuple[int, int]]] = {}
+        for n, c in chunks:
+            by_len.setdefault(n, []).append((n, c))
+        for n, group in by_len.items():
+            out.append((n * len(group), len(group), 0, 0.0, group, None))
+        return out
 
     # ---- pipeline parallelism ---------------------------------------------------------------------
     def pipelined_step_time(self, num_tokens: int, num_seqs: int, num_decode: int = 0, decode_ctx_sum: float = 0.0,
@@ -313,12 +393,18 @@ class CostModel:
         num_decode, ctx, wctx, chunks = self._aggregate(batch, windows[0] if windows else None)
         return self.step_time(batch.num_tokens, batch.num_seqs, num_decode, ctx, chunks, wctx)
 
-    def breakdown(self, batch: Batch) -> list[OpCost]:
-        """Per-op costs of `batch`, merged by op name, plus the step overhead."""
+    def step_ops(self, batch: Batch) -> list[OpCost]:
+        """Every op of every forward of `batch` (without the step and sequence overheads)."""
         windows = [g.attention.sliding_window for g in self.model.groups if g.attention.sliding_window]
         num_decode, ctx, wctx, chunks = self._aggregate(batch, windows[0] if windows else None)
-        raw = (self.token_ops(batch.num_tokens) + self.logits_ops(batch.num_seqs)
-               + self.attention_ops(num_decode, ctx, chunks, wctx))
+        ops: list[OpCost] = []
+        for m, s, nd, c, ch, w in self.forwards(batch.num_tokens, batch.num_seqs, num_decode, ctx, chunks, wctx):
+            ops += self.token_ops(m) + self.logits_ops(s) + self.attention_ops(nd, c, ch, w)
+        return ops
+
+    def breakdown(self, batch: Batch) -> list[OpCost]:
+        """Per-op costs of `batch`, merged by op name, plus the step and per-sequence overheads."""
+        raw = self.step_ops(batch)
         merged: dict[str, OpCost] = {}
         for op in raw:
             if op.name in merged:
@@ -328,6 +414,8 @@ class CostModel:
                 merged[op.name] = op
         out = list(merged.values())
         out.append(OpCost("step_overhead", 0.0, 0.0, self.step_s, "overhead"))
+        if self.seq_s:
+            out.append(OpCost("seq_overhead", 0.0, 0.0, self.seq_s * batch.num_seqs, "overhead"))
         return out
 
 

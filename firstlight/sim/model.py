@@ -441,9 +441,8 @@ def model_from_config(cfg: dict[str, Any], name: str = "", where: str = "<config
         built.append(LayerGroup(count, att, attn_lins, mlp, moe, norms, linear))
 
     wdt = weight_dtype or _dtype_name(_first(cfg, "torch_dtype", "dtype"))
-    if precision is not None:
-        if weight_dtype or kv_dtype:
-            raise ModelConfigError(f"model {where}: give a precision profile or weight/kv dtypes, not both")
+    if precision is not None:  # weight/kv dtypes given with a profile override its storage groups
+        precision = precision.with_dtypes(weight_dtype, kv_dtype)
         wdt, kv_dtype = precision.attention_weights, precision.kv_cache
     return ModelDesc(
         name=name or str(_first(cfg, "_name_or_path", "model_type", default="model")),

@@ -32,17 +32,18 @@ class ParallelConfig(BaseModel):
     pp: int = Field(default=1, ge=1)
     ep: int = Field(default=1, ge=1)
     dp: int = Field(default=1, ge=1)
+    cp: int = Field(default=1, ge=1)  # context parallel: each sequence's tokens and KV split over cp ranks
 
     @property
     def devices_per_replica(self) -> int:
-        return self.tp * self.pp
+        return self.tp * self.pp * self.cp
 
     @property
     def num_devices(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
 
     def describe(self) -> str:
-        return f"tp={self.tp} pp={self.pp} ep={self.ep} dp={self.dp}"
+        return f"tp={self.tp} pp={self.pp} ep={self.ep} dp={self.dp}" + (f" cp={self.cp}" if self.cp > 1 else "")
 
 
 def check_parallel(model: ModelDesc, par: ParallelConfig) -> None:
@@ -51,7 +52,7 @@ def check_parallel(model: ModelDesc, par: ParallelConfig) -> None:
         att = g.attention
         if att.num_heads % par.tp:
             raise ParallelError(
-                f"tensor parallel degree tp={par.tp} does not divide num_attention_heads={att.num_heads} of "
+                f"tensor parallel degree --tp {par.tp} does not divide num_attention_heads={att.num_heads} of "
                 f"{model.name}; choose tp from {[d for d in range(1, att.num_heads + 1) if att.num_heads % d == 0][:8]}"
             )
         if not att.is_mla and att.num_kv_heads % par.tp and par.tp % att.num_kv_heads:
@@ -60,14 +61,17 @@ def check_parallel(model: ModelDesc, par: ParallelConfig) -> None:
                 "(KV heads are split, or replicated when tp > num_key_value_heads)"
             )
     if par.pp > model.num_layers:
-        raise ParallelError(f"pipeline degree pp={par.pp} exceeds the {model.num_layers} layers of {model.name}")
+        raise ParallelError(f"pipeline degree --pp {par.pp} exceeds the {model.num_layers} layers of {model.name}")
     if par.ep > 1:
         if not model.is_moe:
-            raise ParallelError(f"expert parallel ep={par.ep} given but {model.name} has no experts; use ep=1")
+            raise ParallelError(f"expert parallel --ep {par.ep} given but {model.name} has no experts; use ep=1")
         if model.num_experts % par.ep:
-            raise ParallelError(f"ep={par.ep} does not divide the {model.num_experts} experts of {model.name}")
-        if (par.tp * par.dp) % par.ep:
-            raise ParallelError(f"ep={par.ep} must divide tp*dp={par.tp * par.dp} (EP ranks come from the TP x DP devices)")
+            raise ParallelError(f"--ep {par.ep} does not divide the {model.num_experts} experts of {model.name}")
+        if (par.tp * par.dp) % par.ep or (par.ep > par.tp and par.ep % par.tp):
+            raise ParallelError(
+                f"--ep {par.ep} does not divide the {par.tp * par.dp} devices of --tp {par.tp} x --replicas {par.dp} "
+                "(EP ranks come from the TP x DP devices; an EP group spanning replicas must be whole TP groups): "
+                f"choose --ep from {[d for d in range(1, par.tp * par.dp + 1) if (par.tp * par.dp) % d == 0 and (d <= par.tp or d % par.tp == 0)]}")
 
 
 def kv_shard(model: ModelDesc, par: ParallelConfig) -> int:
@@ -90,7 +94,7 @@ def weight_bytes_per_device(model: ModelDesc, par: ParallelConfig) -> float:
 
 
 def kv_bytes_per_token_per_device(model: ModelDesc, par: ParallelConfig) -> float:
-    return model.kv_bytes_per_token() / kv_shard(model, par) / par.pp
+    return model.kv_bytes_per_token() / kv_shard(model, par) / par.pp / par.cp
 
 
 def activation_bytes_per_device(model: ModelDesc, par: ParallelConfig, max_num_batched_tokens: int,

@@ -93,6 +93,27 @@ class PrecisionProfile(BaseModel):
         """The `compute_tflops` key the ops of `group` (attention | mlp | lm_head | sdpa) run at."""
         return self.math.get(group) or self.math.get("default") or self.activations
 
+    def with_dtypes(self, weight_dtype: str | None = None, kv_dtype: str | None = None) -> PrecisionProfile:
+        """This profile with `--weight-dtype` / `--kv-dtype` overriding its storage groups: `weight_dtype`
+        replaces every weight group (attention, mlp, experts, lm_head), `kv_dtype` the KV cache. Math rates
+        and activations stay the profile's (a fp8 profile with bf16 weights still multiplies at fp8)."""
+        if weight_dtype is None and kv_dtype is None:
+            return self
+        for opt, v in (("--weight-dtype", weight_dtype), ("--kv-dtype", kv_dtype)):
+            if v is not None and v not in DTYPE_BYTES:
+                raise PrecisionError(f"{opt} {v!r}: expected one of {sorted(DTYPE_BYTES)}")
+        update: dict[str, Any] = {}
+        tags = []
+        if weight_dtype is not None:
+            update |= {"attention_weights": weight_dtype, "mlp_weights": weight_dtype, "expert_weights": weight_dtype,
+                       "lm_head": weight_dtype}
+            tags.append(f"w{weight_dtype}")
+        if kv_dtype is not None:
+            update["kv_cache"] = kv_dtype
+            tags.append(f"kv{kv_dtype}")
+        update["name"] = f"{self.name}+{'+'.join(tags)}"
+        return self.model_copy(update=update)
+
     def bytes_of(self, dtype: str) -> float:
         return DTYPE_BYTES[dtype]
 

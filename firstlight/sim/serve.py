@@ -10,6 +10,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from firstlight.core.hardware import HardwareSpec
+from firstlight.sim.cluster import ClusterConfig
 from firstlight.sim.cost import CostModel
 from firstlight.sim.model import ModelDesc
 from firstlight.sim.parallel import ParallelConfig, plan_memory
@@ -33,9 +34,11 @@ class ServeConfig(BaseModel):
     max_num_seqs: int = Field(default=256, ge=1)
     block_size: int = Field(default=16, ge=1)
     memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    watermark: float = Field(default=0.01, ge=0, lt=1)  # free-KV fraction kept back at admission (vLLM)
     kv_capacity_tokens: int | None = Field(default=None, ge=1)  # override the memory plan
     router: str = "round_robin"
     kv_link: str = "scale_out"  # the link KV transfers cross: scale_up | scale_out
+    cluster: ClusterConfig | None = None  # two-tier fabric: TP / EP collectives and KV transfers priced on it
     slo_ttft_s: float = Field(default=2.0, gt=0)
     slo_tpot_s: float = Field(default=0.1, gt=0)
     stack: str | None = None  # a serving-stack preset (sim/stacks/): graph padding, prefill buckets, batching mode
@@ -61,9 +64,16 @@ def _percentiles(x: np.ndarray, weights: np.ndarray | None = None) -> dict[str, 
 
 def run_serve(model: ModelDesc, hw: HardwareSpec, workload: Workload, cfg: ServeConfig,
               cost_kwargs: dict[str, Any] | None = None) -> tuple[dict[str, Any], SimResult]:
-    par = ParallelConfig(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep)
+    dp = cfg.num_prefill_replicas + cfg.num_decode_replicas if cfg.num_prefill_replicas else cfg.num_replicas
+    par = ParallelConfig(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, dp=dp)
     stack = load_stack(cfg.stack) if cfg.stack else None
     kwargs = dict(cost_kwargs or {})
+    if cfg.cluster is not None:
+        need, have = par.num_devices, cfg.cluster.devices(hw)
+        if need > have:
+            raise SimConfigError(f"the deployment needs {need} devices (--tp x --pp x replicas) but the cluster has "
+                                 f"{have} (--nodes x devices per node); add --nodes or lower the replicas")
+        kwargs = {"cluster": cfg.cluster, **kwargs}
     if stack is not None and stack.step_overhead_us is not None:
         base = kwargs.get("efficiency") or hw.efficiency
         kwargs["efficiency"] = base.model_copy(update={"step_overhead_us": stack.step_overhead_us})
@@ -79,7 +89,8 @@ def run_serve(model: ModelDesc, hw: HardwareSpec, workload: Workload, cfg: Serve
     sched = SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.block_size,
                             enable_chunked_prefill=stack.enable_chunked_prefill if stack else True,
                             inflight_batching=stack.inflight_batching if stack else True,
-                            num_microbatches=cfg.num_microbatches or cfg.pp, pipeline_schedule=cfg.pipeline_schedule)
+                            num_microbatches=cfg.num_microbatches or cfg.pp, pipeline_schedule=cfg.pipeline_schedule,
+                            watermark=cfg.watermark)
     step_cost = StackCost(cost, stack) if stack is not None else cost
     reqs = Requests(workload)
     disagg = cfg.num_prefill_replicas > 0
@@ -91,19 +102,29 @@ def run_serve(model: ModelDesc, hw: HardwareSpec, workload: Workload, cfg: Serve
         if disagg else None
     kv_transfer = None
     if disagg:
+        if cfg.kv_link not in ("scale_up", "scale_out"):
+            raise SimConfigError(f"--kv-link {cfg.kv_link!r}: expected scale_up or scale_out")
         link = getattr(hw.links, cfg.kv_link)
-        if link is None:
-            raise SimConfigError(f"hardware {hw.name} has no {cfg.kv_link} link to carry KV transfers")
-        # each device of the prefill replica sends its KV shard over its own link
-        bw = link.bandwidth_bytes_per_s * hw.efficiency.network * par.devices_per_replica
-        lat = link.latency_s
+        if cfg.cluster is not None and cfg.kv_link == "scale_out":
+            # over the cluster's NICs, each device's share of oversubscribed uplinks
+            _, _, nic_bw, lat = cfg.cluster.links(hw)
+            bw = nic_bw / cfg.cluster.oversubscription * par.devices_per_replica
+            if bw <= 0:
+                raise SimConfigError(f"--kv-link scale_out: hardware {hw.name} has no NIC; give --nic-gbps")
+        else:
+            if link is None:
+                raise SimConfigError(f"--kv-link {cfg.kv_link}: hardware {hw.name} has no {cfg.kv_link} link "
+                                     "to carry KV transfers")
+            # each device of the prefill replica sends its KV shard over its own link
+            bw = link.bandwidth_bytes_per_s * hw.efficiency.network * par.devices_per_replica
+            lat = link.latency_s
         prompts = reqs.prompt
 
         def kv_transfer(rid: int) -> float:
             return lat + model.kv_bytes_for_context(prompts[rid]) / bw
 
     t0 = time.perf_counter()
-    res = simulate(workload, front, cfg.router, back, kv_transfer)
+    res = simulate(workload, front, cfg.router, back, kv_transfer, cost.eff.request_overhead_us * 1e-6)
     wall = time.perf_counter() - t0
     result = summarize(res, workload, cfg, hw, par, plan.to_dict() | {"kv_capacity_tokens": kv_tokens}, wall)
     result["precision"] = model.profile.summary()

@@ -10,6 +10,10 @@ prefill chunks, then new requests, under `max_num_batched_tokens` and `max_num_s
 blocks of `block_size`; when a step needs blocks it does not have, the newest running request is
 preempted (recompute: it goes back to the front of the queue and later prefills prompt + its output).
 
+An idle replica that receives work starts its step at once, but forms the batch at the end of the
+step's host overhead (the engine schedules after its loop wakes up): requests that arrive in that
+window join the same step, as they do in an engine whose loop picks up every queued request.
+
 Disaggregation: prefill replicas emit the first token and send the KV over the fabric (one transfer
 at a time per prefill replica's link); decode replicas admit the transferred requests.
 """
@@ -25,7 +29,7 @@ from firstlight.errors import FirstlightError
 from firstlight.sim.cost import CostModel
 from firstlight.sim.workload import Workload
 
-ARRIVAL, STEP_DONE, KV_DONE = 0, 1, 2
+ARRIVAL, STEP_DONE, KV_DONE, WAKE = 0, 1, 2, 3
 
 
 class SimConfigError(FirstlightError):
@@ -41,10 +45,16 @@ class SchedulerConfig:
     inflight_batching: bool = True  # False: new requests wait until the running batch drains (static batching)
     num_microbatches: int = 1  # with pp > 1: micro-batches each step is split into
     pipeline_schedule: str = "gpipe"  # gpipe (flush every step) | async (steps overlap, vLLM virtual engines)
+    # admit a new request only if this fraction of all KV blocks stays free after it (vLLM's
+    # BlockSpaceManager watermark, 0.01 by default): headroom for the running requests' next decode
+    # blocks, so an admission does not force a preemption one step later (thrashing)
+    watermark: float = 0.01
 
     def __post_init__(self) -> None:
         if self.pipeline_schedule not in ("gpipe", "async"):
             raise SimConfigError(f"pipeline_schedule {self.pipeline_schedule!r}: expected gpipe or async")
+        if not 0 <= self.watermark < 1:
+            raise SimConfigError(f"scheduler watermark must be in [0, 1), got {self.watermark}")
         for k in ("max_num_batched_tokens", "max_num_seqs", "block_size", "num_microbatches"):
             if getattr(self, k) < 1:
                 raise SimConfigError(f"scheduler {k} must be >= 1, got {getattr(self, k)}")
@@ -58,6 +68,7 @@ class Requests:
         self.arrival = wl.arrival_s.tolist()
         self.prompt = wl.num_prompt_tokens.tolist()
         self.output = wl.num_output_tokens.tolist()
+        self.cached = wl.num_cached_tokens.tolist() if wl.num_cached_tokens is not None else [0] * n
         self.first_token = [float("nan")] * n
         self.finish = [float("nan")] * n
         self.generated = [0] * n
@@ -78,6 +89,7 @@ class Replica:
         self.num_blocks = kv_capacity_tokens // B
         if self.num_blocks < 1:
             raise SimConfigError(f"replica {idx}: KV capacity {kv_capacity_tokens} tokens < one block of {B}")
+        self.watermark_blocks = int(sched.watermark * self.num_blocks)
         self.free_blocks = self.num_blocks
         self.waiting: deque[int] = deque()
         self.prefilling: dict[int, list[int]] = {}  # rid -> [done, target]
@@ -97,6 +109,7 @@ class Replica:
         self.cur_chunks: list[tuple[int, int]] = []  # (rid, chunk) of the step in flight
         self.link_free_s = 0.0  # for KV transfers out of a prefill replica
         # ITL samples: one (step duration, decode seqs) pair per step
+        self.wake_s = 0.0  # when an idle replica was woken (its step starts then; the batch forms a bit later)
         self.step_durations: list[float] = []
         self.step_decodes: list[int] = []
         self.max_running = 0
@@ -192,19 +205,20 @@ class Replica:
                 self.step -= 1
                 continue
             target = reqs.prompt[rid] + reqs.generated[rid]
-            n = min(target, budget) if cfg.enable_chunked_prefill else target
+            done = reqs.cached[rid] if reqs.generated[rid] == 0 else 0  # prefix-cache hits are not recomputed
+            n = min(target - done, budget) if cfg.enable_chunked_prefill else target - done
             if n > budget and chunks:
                 break
-            blocks = self._blocks(n)
-            if blocks > self.free_blocks:
+            blocks = self._blocks(done + n)
+            if blocks > self.free_blocks - (self.watermark_blocks if self.running else 0):
                 break
             self.waiting.popleft()
             self.free_blocks -= blocks
             budget -= n
             self.running[rid] = None
-            self.prefilling[rid] = [0, target]
+            self.prefilling[rid] = [done, target]
             chunks.append((rid, n))
-            cost_chunks.append((n, 0))
+            cost_chunks.append((n, done))
         if nd == 0 and not chunks:
             if self.prefilling and self._preempt_newest():  # prefills stuck on KV: free the newest, retry
                 return self.schedule(now)
@@ -304,19 +318,28 @@ class SimResult:
 
 def simulate(workload: Workload, replicas: list[Replica], router: str = "round_robin",
              decode_replicas: list[Replica] | None = None, kv_transfer_s: Callable[[int], float] | None = None,
-             ) -> SimResult:
-    """Run to completion. With `decode_replicas`, `replicas` are prefill replicas (disaggregation)."""
+             admission_delay_s: float = 0.0) -> SimResult:
+    """Run to completion. With `decode_replicas`, `replicas` are prefill replicas (disaggregation).
+
+    `admission_delay_s` (the spec's per-request overhead: API server, tokenization) passes between a
+    request's arrival and its entering a replica's queue; its latencies still count from arrival."""
     if router not in ROUTERS:
         raise SimConfigError(f"unknown router {router!r}: expected one of {sorted(ROUTERS)}")
     route = ROUTERS[router]
     reqs = replicas[0].reqs
     all_replicas = replicas + (decode_replicas or [])
     n = len(workload)
-    arrivals = reqs.arrival
+    arrivals = [a + admission_delay_s for a in reqs.arrival] if admission_delay_s else reqs.arrival
     heap: list[tuple[float, int, float, int]] = [(arrivals[0], ARRIVAL, 0.0, 0)]
     pop, push = heapq.heappop, heapq.heappush
     num_events = 0
     now = 0.0
+
+    def wake(rep: Replica) -> list:
+        """An idle replica got work: its step starts now, the batch forms after the host window."""
+        rep.busy = True
+        rep.wake_s = now
+        return [(now + rep.cost.step_s, WAKE, 0.0, rep.idx)]
 
     def on_arrival(rid: int) -> list:
         out = []
@@ -325,10 +348,13 @@ def simulate(workload: Workload, replicas: list[Replica], router: str = "round_r
         rep = route(replicas, rid)
         rep.waiting.append(rid)
         if not rep.busy:
-            ev = rep.schedule(now)
-            if ev:
-                out.append(ev)
+            out += wake(rep)
         return out
+
+    def on_wake(idx: int) -> list:
+        rep = all_replicas[idx]
+        ev = rep.schedule(rep.wake_s)
+        return [ev] if ev else []
 
     def on_step_done(idx: int) -> list:
         rep = all_replicas[idx]
@@ -347,13 +373,9 @@ def simulate(workload: Workload, replicas: list[Replica], router: str = "round_r
     def on_kv_done(payload: int) -> list:
         rep = all_replicas[payload >> 32]
         rep.admit_transferred(payload & 0xFFFFFFFF)
-        if not rep.busy:
-            ev = rep.schedule(now)
-            if ev:
-                return [ev]
-        return []
+        return wake(rep) if not rep.busy else []
 
-    handlers = (on_arrival, on_step_done, on_kv_done)
+    handlers = (on_arrival, on_step_done, on_kv_done, on_wake)
     seq = 0
     while heap:
         now, kind, _, payload = pop(heap)

@@ -55,6 +55,11 @@ class ServingStack(BaseModel):
         i = bisect.bisect_left(self.graph_capture_sizes, n)
         return self.graph_capture_sizes[i] if i < len(self.graph_capture_sizes) else None
 
+    def serve_fields(self) -> dict[str, Any]:
+        """The ServeConfig fields this stack sets: its scheduler knobs and its name."""
+        return {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
+                "block_size": self.block_size, "stack": self.name}
+
     def padded_prefill(self, n: int) -> int:
         i = bisect.bisect_left(self.prefill_buckets, n)
         return self.prefill_buckets[i] if i < len(self.prefill_buckets) else n
@@ -84,9 +89,7 @@ def load_stack(name_or_path: str | Path) -> ServingStack:
 
 def apply_stack(cfg: Any, stack: ServingStack) -> Any:
     """A copy of a ServeConfig with the stack's scheduler knobs."""
-    return cfg.model_copy(update={"max_num_seqs": stack.max_num_seqs,
-                                  "max_num_batched_tokens": stack.max_num_batched_tokens,
-                                  "block_size": stack.block_size, "stack": stack.name})
+    return cfg.model_copy(update=stack.serve_fields())
 
 
 class StackCost:

@@ -1,7 +1,8 @@
 """Design-space sweeps: every (hardware, tp, pp, rate) point through the serving simulator.
 
-Points run in parallel: a local `multiprocessing` pool by default, or Ray tasks (`use_ray=True`,
-optional dependency, imported only then; `RAY_ADDRESS` picks the cluster). Each point reports p90
+Points run in parallel, in batches: a local `multiprocessing` pool by default, or Ray tasks
+(`use_ray=True`, optional dependency `firstlight[ray]`, imported only then; `ray_address` or
+`RAY_ADDRESS` joins an existing cluster, otherwise a local one is started and shut down). Each point reports p90
 TTFT/TPOT, throughput and $ per 1M output tokens; points that do not fit say why. The report is the
 table, the Pareto frontier of cost vs p90 TPOT, and the cheapest point that meets the SLO.
 """
@@ -46,6 +47,8 @@ class SweepSpec:
     serve_kwargs: dict[str, Any] = field(default_factory=dict)
     precision: str | None = None  # precision profile name or YAML path
     stack: str | None = None  # serving-stack preset
+    weight_dtype: str | None = None  # with `precision`: overrides its weight groups
+    kv_dtype: str | None = None  # with `precision`: overrides its KV cache dtype
 
 
 def parse_list(text: str, kind: type, what: str) -> list:
@@ -59,18 +62,25 @@ def parse_list(text: str, kind: type, what: str) -> list:
 
 
 def parse_slo(text: str) -> tuple[float, float]:
-    """`ttft=2,tpot=0.05` (seconds) -> (2.0, 0.05)."""
+    """`ttft=2000,tpot=50` -> (2.0, 0.05) seconds: milliseconds unless suffixed `s` or `ms`, as `bench --slo`."""
     vals = {"ttft": 2.0, "tpot": 0.1}
     for part in (p.strip() for p in text.split(",") if p.strip()):
         key, _, v = part.partition("=")
+        key, v = key.strip().lower(), v.strip().lower()
+        key = "tpot" if key == "itl" else key
         if key not in vals:
-            raise SweepError(f"--slo item {part!r}: expected ttft=SECONDS or tpot=SECONDS")
+            raise SweepError(f"--slo item {part!r}: expected ttft=MS or tpot=MS (milliseconds unless suffixed s)")
+        scale = 1e-3
+        if v.endswith("ms"):
+            v = v[:-2]
+        elif v.endswith("s"):
+            v, scale = v[:-1], 1.0
         try:
-            vals[key] = float(v)
+            vals[key] = float(v) * scale
         except ValueError:
-            raise SweepError(f"--slo item {part!r}: {v!r} is not a number of seconds") from None
+            raise SweepError(f"--slo item {part!r}: {v!r} is not a number of milliseconds") from None
         if vals[key] <= 0:
-            raise SweepError(f"--slo {key} must be > 0 seconds, got {v}")
+            raise SweepError(f"--slo {key} must be > 0, got {part!r}")
     return vals["ttft"], vals["tpot"]
 
 
@@ -88,7 +98,8 @@ def evaluate(point: SweepPoint, spec: SweepSpec) -> dict[str, Any]:
     row: dict[str, Any] = {**asdict(point), "num_devices": point.tp * point.pp * spec.num_replicas}
     try:
         hw = load_spec(point.hw)
-        model = load_model(spec.model, precision=spec.precision)
+        model = load_model(spec.model, weight_dtype=spec.weight_dtype, kv_dtype=spec.kv_dtype,
+                           precision=spec.precision)
         wl = make_workload(spec.num_requests, point.rate, spec.prompt_len, spec.output_len, spec.arrival,
                            len_dist=spec.len_dist, seed=spec.seed)
         cfg = ServeConfig(tp=point.tp, pp=point.pp, num_replicas=spec.num_replicas, slo_ttft_s=spec.slo_ttft_s,
@@ -110,33 +121,66 @@ def evaluate(point: SweepPoint, spec: SweepSpec) -> dict[str, Any]:
             "sim_wall_s": result["sim"]["wall_s"]}
 
 
-def _evaluate_star(args: tuple[SweepPoint, SweepSpec]) -> dict[str, Any]:
-    return evaluate(*args)
+def evaluate_many(points: list[SweepPoint], spec: SweepSpec) -> list[dict[str, Any]]:
+    """A batch of points in one worker call: per-task overhead (process pickling, Ray scheduling) is paid once."""
+    return [evaluate(p, spec) for p in points]
+
+
+def _evaluate_batch(args: tuple[list[SweepPoint], SweepSpec]) -> list[dict[str, Any]]:
+    return evaluate_many(*args)
+
+
+def _batches(points: list[SweepPoint], num_workers: int) -> list[list[SweepPoint]]:
+    """About 4 batches per worker (load balance) of at least one point, in order."""
+    size = max(1, len(points) // (4 * num_workers))
+    return [points[i:i + size] for i in range(0, len(points), size)]
 
 
 def run_sweep(points: list[SweepPoint], spec: SweepSpec, workers: int | None = None,
-              use_ray: bool = False) -> list[dict[str, Any]]:
-    """Evaluate every point; rows come back in the order of `points`."""
+              use_ray: bool = False, ray_address: str | None = None) -> list[dict[str, Any]]:
+    """Evaluate every point; rows come back in the order of `points`.
+
+    Local: a `spawn` process pool of `workers` (default: CPU count). Ray: `ray_address` joins a running
+    cluster (`ray://host:10001`, or `auto` for the one this machine belongs to); None starts a local one."""
     if use_ray:
-        return _run_ray(points, spec)
+        return _run_ray(points, spec, ray_address, workers)
     n = max(1, min(workers or os.cpu_count() or 1, len(points)))
     if n == 1:
-        return [evaluate(p, spec) for p in points]
+        return evaluate_many(points, spec)
     import multiprocessing as mp
 
     with mp.get_context("spawn").Pool(n) as pool:  # spawn: no forked state from the parent
-        return pool.map(_evaluate_star, [(p, spec) for p in points], chunksize=1)
+        parts = pool.map(_evaluate_batch, [(b, spec) for b in _batches(points, n)], chunksize=1)
+    return [row for part in parts for row in part]
 
 
-def _run_ray(points: list[SweepPoint], spec: SweepSpec) -> list[dict[str, Any]]:
+def _run_ray(points: list[SweepPoint], spec: SweepSpec, address: str | None, workers: int | None,
+             ) -> list[dict[str, Any]]:
     try:
         import ray
     except ImportError:
-        raise SweepError("--ray needs the optional dependency ray (pip install 'ray[default]'); "
+        raise SweepError("--ray needs the optional dependency ray (pip install 'firstlight[ray]'); "
                          "run without --ray to use local processes") from None
-    ray.init(ignore_reinit_error=True)  # RAY_ADDRESS in the environment joins an existing cluster
-    remote = ray.remote(evaluate)
-    return ray.get([remote.remote(p, spec) for p in points])
+    started = not ray.is_initialized()
+    if started:
+        kw: dict[str, Any] = {"ignore_reinit_error": True, "include_dashboard": False, "log_to_driver": False}
+        if address:
+            kw["address"] = address
+        elif workers:
+            kw["num_cpus"] = workers
+        try:
+            ray.init(**kw)
+        except (ConnectionError, ValueError, RuntimeError) as e:
+            raise SweepError(f"--ray-address {address!r}: cannot join a Ray cluster there ({e})") from None
+    try:
+        num = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        remote = ray.remote(evaluate_many)
+        spec_ref = ray.put(spec)
+        parts = ray.get([remote.remote(b, spec_ref) for b in _batches(points, num)])
+    finally:
+        if started:
+            ray.shutdown()
+    return [row for part in parts for row in part]
 
 
 def pareto_front(rows: list[dict[str, Any]], x: str = "tpot_p90_s", y: str = "usd_per_1m_output_tokens",
@@ -186,7 +230,8 @@ def write_sweep_report(out_dir: str | Path, rows: list[dict[str, Any]], spec: Sw
     from firstlight.core.report import write_report
 
     best = best_meeting_slo(rows)
-    result = {"model": spec.model, "spec": asdict(spec), "rows": rows, "pareto": pareto_front(rows), "best": best}
+    result = {"model": spec.model, "spec": {**asdict(spec), "serve_kwargs": {k: str(v) for k, v in
+                                                                          spec.serve_kwargs.items()}}, "rows": rows, "pareto": pareto_front(rows), "best": best}
     table = [{k: r.get(k) for k in ("hw", "tp", "pp", "rate", "num_devices", "fits", "ttft_p90_s", "tpot_p90_s",
                                      "output_tokens_per_s", "usd_per_1m_output_tokens", "meets_slo")} for r in rows]
     summary = "best meeting the SLO: " + (f"{best['hw']} tp={best['tp']} pp={best['pp']} at {best['rate']} req/s, "

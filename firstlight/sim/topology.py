@@ -161,13 +161,34 @@ def build_topology(name: str, p: int, bandwidth: float, latency: float, **kw: An
     return TOPOLOGIES[name](p, bandwidth, latency, **kw)
 
 
-def cluster(num_nodes: int, devices_per_node: int, intra: str, intra_bandwidth: float, intra_latency: float,
-            inter_bandwidth: float, inter_latency: float, **fat_tree_kw: Any) -> nx.DiGraph:
-    """Scale-up domains of `devices_per_node` (any registered topology) joined by a scale-out fat tree.
+@register_topology("rail_optimized")
+def rail_optimized(p: int, bandwidth: float, latency: float, devices_per_node: int = 8, num_spines: int = 4,
+                   oversubscription: float = 1.0, **_: Any) -> nx.DiGraph:
+    """Rail-optimized scale-out (NVIDIA DGX SuperPOD reference architecture): the NIC of local rank r of
+    every node plugs into rail switch r, so same-rank traffic between nodes crosses one switch; other
+    pairs go rail -> spine -> rail. Rail-spine links carry (nodes x bandwidth) / num_spines / oversubscription."""
+    g = nx.DiGraph(name="rail_optimized")
+    _devices(g, p)
+    num_nodes = math.ceil(p / devices_per_node)
+    for d in range(p):
+        _link(g, d, f"rail{d % devices_per_node}", bandwidth, latency / 2)
+    if devices_per_node > 1:
+        up = num_nodes * bandwidth / num_spines / oversubscription
+        for r, spine in itertools.product(range(min(devices_per_node, p)), range(num_spines)):
+            _link(g, f"rail{r}", f"spine{spine}", up, latency / 2)
+    return g
 
-    Device d of node k is node id k*devices_per_node + d. Each device has its own NIC into the fat
-    tree, so inter-node traffic leaves through the NIC, not the scale-up links.
+
+def cluster(num_nodes: int, devices_per_node: int, intra: str, intra_bandwidth: float, intra_latency: float,
+            inter_bandwidth: float, inter_latency: float, network: str = "fat_tree", **net_kw: Any) -> nx.DiGraph:
+    """Scale-up domains of `devices_per_node` (any registered topology) joined by a scale-out network
+    (`fat_tree` or `rail_optimized`).
+
+    Device d of node k is node id k*devices_per_node + d. Each device has its own NIC into the
+    scale-out network, so inter-node traffic leaves through the NIC, not the scale-up links.
     """
+    if network not in ("fat_tree", "rail_optimized"):
+        raise TopologyError(f"--network {network!r}: expected fat_tree or rail_optimized")
     p = num_nodes * devices_per_node
     g = nx.DiGraph(name=f"cluster({num_nodes}x{devices_per_node} {intra})")
     _devices(g, p)
@@ -175,7 +196,13 @@ def cluster(num_nodes: int, devices_per_node: int, intra: str, intra_bandwidth: 
         local = build_topology(intra, devices_per_node, intra_bandwidth, intra_latency)
         mapping = {n: (k * devices_per_node + n if isinstance(n, int) else f"n{k}.{n}") for n in local.nodes}
         g.update(nx.relabel_nodes(local, mapping))
-    net = fat_tree(p, inter_bandwidth, inter_latency, **fat_tree_kw)
+    if num_nodes == 1:
+        g.graph["devices_per_node"] = devices_per_node
+        return g
+    if network == "rail_optimized":
+        net = rail_optimized(p, inter_bandwidth, inter_latency, devices_per_node=devices_per_node, **net_kw)
+    else:
+        net = fat_tree(p, inter_bandwidth, inter_latency, **net_kw)
     # keep NIC traffic off the scale-up graph: the fat tree's switches get their own names
     g.update(nx.relabel_nodes(net, {n: (n if isinstance(n, int) else f"net.{n}") for n in net.nodes}))
     g.graph["devices_per_node"] = devices_per_node

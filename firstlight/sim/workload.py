@@ -27,6 +27,7 @@ class Workload:
     arrival_s: np.ndarray  # sorted, float64
     num_prompt_tokens: np.ndarray  # int64, >= 1
     num_output_tokens: np.ndarray  # int64, >= 1
+    num_cached_tokens: np.ndarray | None = None  # int64 prompt tokens a prefix cache serves (not recomputed)
 
     def __len__(self) -> int:
         return len(self.arrival_s)
@@ -94,18 +95,24 @@ def load_trace(path: str | Path) -> Workload:
     if not path.is_file():
         raise WorkloadError(f"workload trace {path} does not exist")
     rows: list[dict[str, str]] = []
-    if path.suffix == ".csv":
-        with open(path) as f:
-            rows = list(csv.DictReader(f))
-    else:
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    what = (f"--trace {path}: neither a firstlight engine trace nor a workload (JSONL or CSV rows with arrival_s, "
+            "num_prompt_tokens, num_output_tokens)")
+    try:
+        if path.suffix == ".csv":
+            with open(path) as f:
+                rows = list(csv.DictReader(f))
+        else:
+            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (json.JSONDecodeError, UnicodeDecodeError, csv.Error) as e:
+        raise WorkloadError(f"{what}: {e}") from None
+    if not all(isinstance(r, dict) for r in rows):
+        raise WorkloadError(f"{what}: a row is not a JSON object")
     try:
         arr = np.array([float(r["arrival_s"]) for r in rows])
         p = np.array([int(r["num_prompt_tokens"]) for r in rows], dtype=np.int64)
         o = np.array([int(r["num_output_tokens"]) for r in rows], dtype=np.int64)
     except (KeyError, ValueError) as e:
-        raise WorkloadError(f"workload trace {path}: each row needs arrival_s, num_prompt_tokens, "
-                            f"num_output_tokens ({e})") from None
+        raise WorkloadError(f"{what}: a row lacks or mangles {e}") from None
     if len(arr) == 0 or (p < 1).any() or (o < 1).any():
         raise WorkloadError(f"workload trace {path}: needs >= 1 row and token counts >= 1")
     order = np.argsort(arr, kind="stable")

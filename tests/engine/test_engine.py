@@ -162,8 +162,14 @@ def test_trace_written_and_exports(tiny, tmp_path) -> None:
     assert trace.meta["engine"] == "firstlight" and len(trace.steps) >= 10
     assert all(s.execute_s > 0 and s.batch.num_tokens <= 16 for s in trace.steps)
     assert sum(s.batch.num_prefill_tokens for s in trace.steps) == sum(len(p) for p in prompts(3))
+    assert len(trace.requests) == 3  # one request line per finished request
+    for r in trace.requests:
+        assert r.arrival_s <= r.first_token_s <= r.finish_s and r.num_output_tokens == GREEDY.max_tokens
     chrome = trace.to_chrome()
-    assert len(chrome["traceEvents"]) == 3 * len(trace.steps)
+    steps = [e for e in chrome["traceEvents"] if e["pid"] == 0 and e["ph"] == "X"]
+    assert len(steps) == 3 * len(trace.steps)
+    tracks = {e["tid"] for e in chrome["traceEvents"] if e["pid"] == 1 and e["ph"] == "X"}
+    assert len(tracks) == 3  # one track per request
     json.dumps(chrome)
 
 

@@ -103,3 +103,21 @@ def test_compare_finds_a_sustained_rate_that_meets_the_slo():
     row = evaluate_system("hgx-h100", "fp8", "trtllm", spec)
     assert row["meets_slo"] and row["ttft_p90_s"] <= 1.0 and row["tpot_p90_s"] <= 0.05
     assert row["output_tokens_per_s"] == pytest.approx(row["rate_per_system"] * 64)
+
+
+def test_cli_serve_stack_knobs_yield_to_explicit_options_and_combine_with_a_cluster(tmp_path):
+    """--stack sets the scheduler knobs unless the option is given; it composes with --nodes and the dtype flags."""
+    args = ["serve", "--hw", "h100", "--model", "llama-3.1-8b", "--precision", "fp8", "--kv-dtype", "bf16",
+            "--stack", "trtllm", "--rate", "2", "--num-requests", "10", "--prompt-len", "128", "--output-len", "8",
+            "--tp", "2", "--nodes", "1"]
+    r = CliRunner().invoke(app, args + ["--out", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    cfg = json.loads((tmp_path / "a" / "result.json").read_text())["config"]
+    st = load_stack("trtllm")
+    assert (cfg["max_num_seqs"], cfg["block_size"]) == (2048, 32) == (st.max_num_seqs, st.block_size)
+    assert cfg["stack"] == "trtllm" and cfg["cluster"]["num_nodes"] == 1
+    assert json.loads(r.stdout[r.stdout.index("{"):])["precision"]["kv_cache"] == "bf16"
+    r = CliRunner().invoke(app, args + ["--max-num-seqs", "3", "--out", str(tmp_path / "b")])
+    assert r.exit_code == 0, r.output
+    cfg = json.loads((tmp_path / "b" / "result.json").read_text())["config"]
+    assert cfg["max_num_seqs"] == 3 and cfg["block_size"] == st.block_size

@@ -88,3 +88,20 @@ def test_bad_profiles_name_the_key(data, match):
 def test_unknown_profile_name_lists_the_builtins():
     with pytest.raises(PrecisionError, match="tt-performance"):
         load_precision("fp9")
+
+
+def test_dtype_flags_override_the_profile_storage_groups_not_its_math():
+    """--precision with --weight-dtype / --kv-dtype: the flags replace the profile's storage dtypes only."""
+    base = load_model("llama-3.1-8b", precision="tt-performance")
+    kv = load_model("llama-3.1-8b", precision="tt-performance", kv_dtype="fp8")
+    assert kv.profile.kv_cache == "fp8" and kv.profile.mlp_weights == "bfp4" and kv.profile.name == "tt-performance+kvfp8"
+    assert kv.weight_bytes() == base.weight_bytes()
+    assert kv.kv_bytes_per_token() == pytest.approx(base.kv_bytes_per_token() / (1 + 1 / 16))
+    w = load_model("llama-3.1-8b", precision="tt-performance", weight_dtype="bf16")
+    assert {w.profile.weights(g) for g in ("attention", "mlp", "experts", "lm_head")} == {"bf16"}
+    assert w.weight_bytes() == pytest.approx(load_model("llama-3.1-8b", precision="bf16").weight_bytes())
+    assert w.profile.kv_cache == base.profile.kv_cache
+    for g in ("attention", "mlp", "sdpa"):  # math rates stay the profile's (LoFi / HiFi2)
+        assert w.profile.math_dtype(g) == base.profile.math_dtype(g)
+    with pytest.raises(PrecisionError, match="--weight-dtype 'fp7'"):
+        load_model("llama-3.1-8b", precision="fp8", weight_dtype="fp7")

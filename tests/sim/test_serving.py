@@ -117,3 +117,15 @@ def test_request_larger_than_kv_is_an_error():
     wl = Workload(np.array([0.0]), np.array([5000]), np.array([10]))
     with pytest.raises(SimConfigError, match="does not fit the KV cache"):
         run_serve(load_model(TINY), load_spec("h100"), wl, ServeConfig(kv_capacity_tokens=1000))
+
+
+def test_kv_watermark_admission_does_not_thrash():
+    """Admitting only while 1% of KV stays free (vLLM's watermark) preempts less than admitting to the last block."""
+    wl = make_workload(300, 80.0, 200, 300, len_dist="uniform", seed=5)
+    tight, _ = run_serve(load_model(TINY), load_spec("h100"), wl, ServeConfig(kv_capacity_tokens=20000, watermark=0.0))
+    kept, res = run_serve(load_model(TINY), load_spec("h100"), wl, ServeConfig(kv_capacity_tokens=20000,
+                                                                             watermark=0.05))
+    assert tight["num_finished"] == kept["num_finished"] == 300
+    assert tight["num_preemptions"] > 0
+    assert kept["num_preemptions"] < tight["num_preemptions"]
+    assert res.replicas[0].free_blocks == res.replicas[0].num_blocks

@@ -42,7 +42,8 @@ def test_sweep_marks_what_does_not_fit_and_parallel_equals_serial():
 
 
 def test_parse_errors_and_missing_ray(monkeypatch):
-    assert parse_slo("ttft=1.5,tpot=0.05") == (1.5, 0.05)
+    assert parse_slo("ttft=1500,tpot=50") == pytest.approx((1.5, 0.05))  # ms, like `bench --slo`
+    assert parse_slo("ttft=1.5s,tpot=50ms") == pytest.approx((1.5, 0.05))
     with pytest.raises(SweepError, match="expected ttft"):
         parse_slo("latency=3")
     import builtins
@@ -61,10 +62,23 @@ def test_parse_errors_and_missing_ray(monkeypatch):
 
 def test_cli_sweep_writes_report(tmp_path):
     r = CliRunner().invoke(app, ["sweep", "--model", "llama-3.1-8b", "--hw", "h100,a100", "--tp", "1,2",
-                                 "--rate", "4", "--num-requests", "60", "--slo", "ttft=2,tpot=0.05",
+                                 "--rate", "4", "--num-requests", "60", "--slo", "ttft=2000,tpot=50",
                                  "--workers", "1", "--out", str(tmp_path / "rep")])
     assert r.exit_code == 0, r.output
     assert "best meeting" in r.output
     res = json.loads((tmp_path / "rep" / "result.json").read_text())
     assert len(res["rows"]) == 4 and res["best"]["meets_slo"]
     assert (tmp_path / "rep" / "pareto_cost_vs_tpot.png").is_file()
+
+
+@pytest.mark.slow
+def test_ray_sweep_equals_local_sweep():
+    """Starts a local Ray cluster (2 CPUs), runs a small sweep on it, compares with local processes."""
+    pytest.importorskip("ray", reason="the optional extra firstlight[ray] is not installed")
+    points = grid(["h100", "mi300x"], [1, 2], [1], [2.0, 8.0])
+    spec = SweepSpec("llama-3.1-8b", num_requests=40, prompt_len=256, output_len=32)
+    local = run_sweep(points, spec, workers=1)
+    on_ray = run_sweep(points, spec, workers=2, use_ray=True)
+    strip = [{k: v for k, v in r.items() if k != "sim_wall_s"} for r in local]
+    assert [{k: v for k, v in r.items() if k != "sim_wall_s"} for r in on_ray] == strip
+    assert all(r["fits"] for r in local)

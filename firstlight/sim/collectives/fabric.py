@@ -105,6 +105,10 @@ def collective_time(collective: str, nbytes: float, p: int, alpha: float, bandwi
     """
     if p <= 1 or nbytes <= 0:
         return 0.0
+    if algorithm == "nccl":  # NCCL's own latency/bandwidth model and tuner, one node of p ranks (nccl.py)
+        from firstlight.sim.collectives.nccl import NcclFabric, choose
+
+        return choose(collective, nbytes, NcclFabric(p, 1, bandwidth, bandwidth, ll128=True))[2]
     if algorithm == "auto":
         best = float("inf")
         for name, alg in ALGORITHMS.items():

@@ -156,6 +156,9 @@ class NumericsSpec(_Strict):
     matmul: MatmulNumericsSpec = MatmulNumericsSpec()
     attention_matmul: MatmulNumericsSpec | None = None  # None: `matmul` with both operands in a_format
     embedding: str | None = None  # format of the embedding table (None: `activation`)
+    # Format the position tables (rotary cos/sin, models' `rotary` module) are computed in: fp32, as
+    # every stack builds them (HF computes rotary angles in fp32; tt-metal on the host; JAX in fp32).
+    tables: str = "fp32"
     transcendentals: dict[str, str] = Field(default_factory=dict)  # op -> approximation name
     tile: tuple[int, int] | None = None  # matmul operands are padded to multiples of this (rows, cols)
     fidelity_tflops: dict[str, float] = Field(default_factory=dict)  # fidelity -> dense matmul TFLOP/s

@@ -39,6 +39,7 @@ from firstlight.targets.decompose import DecomposedSDPA
 from firstlight.targets.faulty import layer_of
 from firstlight.targets.overrides import Overrides, load_overrides, module_matches, op_matches
 
+TABLES_MODULE = "rotary"  # the models' table builder (models/layers.py RotaryTables)
 _TOLERANCE_DTYPE = {"fp32": torch.float32, "fp16": torch.float16}  # anything narrower is judged as bf16
 
 
@@ -176,6 +177,7 @@ class EmulatedTarget(Target):
         where = f"chip '{self.chip}' numerics"
         fmt(n.activation, f"{where}.activation")
         fmt(n.embedding, f"{where}.embedding")
+        fmt(n.tables, f"{where}.tables")
         matmul(n.matmul, f"{where}.matmul")
         if n.attention_matmul is not None:
             matmul(n.attention_matmul, f"{where}.attention_matmul")
@@ -215,6 +217,8 @@ class EmulatedTarget(Target):
         activation = n.activation
         if op == "aten.embedding" and n.embedding:
             activation = n.embedding
+        if module_matches(TABLES_MODULE, module):
+            activation = n.tables
         impl = n.transcendentals.get(K.APPROX_OPS.get(op, ""), "exact") if op in K.APPROX_OPS else None
         fallback = decompose = False
         for rule in self.overrides.rules:

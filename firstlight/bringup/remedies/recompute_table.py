@@ -10,10 +10,12 @@ def propose(sig, ctx):
     if sig.kind == "table_mismatch" and "rope" not in table:
         return []
     why = sig.describe()
-    return [Candidate("recompute_table", (rule(module=ROTARY, activation="fp32", why=why),),
-                      "build the rotary tables in fp32 on the device", cost_rank=0),
-            Candidate("recompute_table", (rule(module=ROTARY, fallback="host", why=why),),
-                      "build the rotary tables on the host (fp32)", cost_rank=1)]
+    out = []
+    if ctx is None or ctx.site(ROTARY, "aten.cos").activation != "fp32":
+        out.append(Candidate("recompute_table", (rule(module=ROTARY, activation="fp32", why=why),),
+                             "build the rotary tables in fp32 on the device", cost_rank=0))
+    return out + [Candidate("recompute_table", (rule(module=ROTARY, fallback="host", why=why),),
+                            "build the rotary tables on the host (fp32)", cost_rank=1)]
 
 
 register(Remedy("recompute_table", ("table_mismatch", "position_divergence"), propose,

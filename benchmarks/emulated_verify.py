@@ -54,8 +54,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     host_tables = args.out / "host-tables.yaml"
-    host_tables.write_text(yaml.safe_dump({"rules": [{"op": "aten.cos", "fallback": "host"},
-                                                     {"op": "aten.sin", "fallback": "host"}]}))
+    host_tables.write_text(yaml.safe_dump({"rules": [{"module": "rotary", "fallback": "host"}]}))
     rows = []
     for model in args.models.split(","):
         for chip in args.chips.split(","):

@@ -59,6 +59,14 @@ def bringup(
         except FirstlightError as e:
             _fail(str(e))
     _check_writable(out)
+    if dossier and project:
+        from firstlight.bringup.dossier_project import check_chips
+        from firstlight.errors import FirstlightError
+
+        try:
+            check_chips([p for p in project.split(",") if p])
+        except FirstlightError as e:
+            _fail(str(e))
     _run(model, chip, the_goal, budget, perf_budget, out, overrides, book, project, dossier, prompt_tokens, threads,
          seed, con)
 

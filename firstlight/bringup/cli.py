@@ -29,6 +29,10 @@ def bringup(
     prompt_tokens: int = typer.Option(40, help="Tokens of the bundled text verify uses as the prompt."),
     threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
     seed: int = typer.Option(0, help="Seed of stochastic rounding."),
+    planner: str = typer.Option("playbook", help="Who orders the remedies: playbook (past success), or chat (an "
+                                "OpenAI-compatible chat model through function calling; the playbook if it fails)."),
+    planner_url: str | None = typer.Option(None, help="--planner chat: the server's base URL (http://HOST:PORT)."),
+    planner_model: str | None = typer.Option(None, help="--planner chat: the model name the server serves."),
 ) -> None:
     """Bring a model up on an emulated chip: verify, localize, remedy, repeat; then buy the speed back."""
     from rich.console import Console
@@ -58,17 +62,23 @@ def bringup(
             load_file(f)
         except FirstlightError as e:
             _fail(str(e))
+    from firstlight.bringup.chat_planner import planner_from_options
+    from firstlight.errors import FirstlightError
+
+    try:
+        the_planner = planner_from_options(planner, planner_url, planner_model, book)
+    except FirstlightError as e:
+        _fail(str(e))
     _check_writable(out)
     if dossier and project:
         from firstlight.bringup.dossier_project import check_chips
-        from firstlight.errors import FirstlightError
 
         try:
             check_chips([p for p in project.split(",") if p])
         except FirstlightError as e:
             _fail(str(e))
     _run(model, chip, the_goal, budget, perf_budget, out, overrides, book, project, dossier, prompt_tokens, threads,
-         seed, con)
+         seed, con, planner=the_planner)
 
 
 def _fail(message: str) -> None:
@@ -107,7 +117,7 @@ def _check_writable(out: Path) -> None:
 
 
 def _run(model: str, chip: str, goal, budget: int, perf_budget: int, out: Path, overrides: Path | None, book,
-         project: str, dossier: bool, prompt_tokens: int, threads: int, seed: int, con) -> None:
+         project: str, dossier: bool, prompt_tokens: int, threads: int, seed: int, con, planner=None) -> None:
     import torch
 
     from firstlight.bringup import runbook
@@ -135,7 +145,7 @@ def _run(model: str, chip: str, goal, budget: int, perf_budget: int, out: Path, 
             con.print(f"[{it['run']:>2}] {it['phase']:<11} {rem or '-':<48} -> {it.get('outcome') or ('met' if after['met'] else 'fails')}"
                       f"  {'; '.join(after['unmet'][:1])[:90]}", highlight=False)
 
-    loop = BringupLoop(cfg, book, on_iteration=progress)
+    loop = BringupLoop(cfg, book, planner=planner, on_iteration=progress)
     try:
         state = loop.run()
     except KeyboardInterrupt:

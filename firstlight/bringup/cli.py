@@ -26,6 +26,7 @@ def bringup(
     remedies: list[Path] = typer.Option([], help="Extra remedy files (Python; they run their code: trusted files only)."),
     project: str = typer.Option("", help="Chips to project serving on in the dossier, e.g. h100,trn2 ('' : none)."),
     dossier: bool = typer.Option(True, "--dossier/--no-dossier", help="Write the dossier (index.html, dossier.json)."),
+    bench: bool = typer.Option(True, "--bench/--no-bench", help="Dossier: measure our engine on this machine."),
     prompt_tokens: int = typer.Option(40, help="Tokens of the bundled text verify uses as the prompt."),
     threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
     seed: int = typer.Option(0, help="Seed of stochastic rounding."),
@@ -78,7 +79,7 @@ def bringup(
         except FirstlightError as e:
             _fail(str(e))
     _run(model, chip, the_goal, budget, perf_budget, out, overrides, book, project, dossier, prompt_tokens, threads,
-         seed, con, planner=the_planner)
+         seed, con, planner=the_planner, bench=bench)
 
 
 def _fail(message: str) -> None:
@@ -117,7 +118,7 @@ def _check_writable(out: Path) -> None:
 
 
 def _run(model: str, chip: str, goal, budget: int, perf_budget: int, out: Path, overrides: Path | None, book,
-         project: str, dossier: bool, prompt_tokens: int, threads: int, seed: int, con, planner=None) -> None:
+         project: str, dossier: bool, prompt_tokens: int, threads: int, seed: int, con, planner=None, bench: bool = True) -> None:
     import torch
 
     from firstlight.bringup import runbook
@@ -160,7 +161,8 @@ def _run(model: str, chip: str, goal, budget: int, perf_budget: int, out: Path, 
         from firstlight.bringup.dossier import write_dossier
 
         html = write_dossier(out, model=model, target=f"emulate:{chip}", overrides_file=out / "overrides.yaml",
-                             verify_result=loop.final_result, project=[p for p in project.split(",") if p])
+                             verify_result=loop.final_result, project=[p for p in project.split(",") if p],
+                             bench=bench)
         con.print(f"dossier: {html}", highlight=False)
     raise typer.Exit(code=0 if state.final["met"] else 1)
 

@@ -263,7 +263,6 @@ class BringupLoop:
         return current
 
     def _performance(self, kept: list[R.Candidate], current: Evaluation) -> Evaluation:
-        st = self.state
         spent = 0
         for i in reversed(range(len(kept))):
             cand = kept[i]

@@ -49,7 +49,7 @@ def render(state: BringupState, command: str, overrides_file: str) -> str:
         pred = f.get("predicted") or {}
         lines += ["", "## Result", "",
                   f"- goal met: **{f.get('met')}**" + (f" (unmet: {'; '.join(f.get('unmet') or [])})" if not f.get("met") else ""),
-                  f"- quality: " + ", ".join(f"{k} {_fmt(v)}" for k, v in (f.get("metrics") or {}).items()),
+                  "- quality: " + ", ".join(f"{k} {_fmt(v)}" for k, v in (f.get("metrics") or {}).items()),
                   f"- predicted on {pred.get('chip', state.chip)}: prefill {_fmt(pred.get('prefill_ms'), '.3f')} ms, "
                   f"decode step {_fmt(pred.get('decode_step_ms'), '.3f')} ms = {_fmt(pred.get('decode_tokens_per_s'), '.1f')} "
                   f"tokens/s; {_fmt(f.get('cost_ms'), '.3f')} ms per request (128-token prompt + 32 tokens)"]

@@ -195,5 +195,25 @@ def test_engine_run_on_our_engine(tiny_checkpoint, tmp_path):
                             EngineRunSpec(num_requests=4, input_len=16, output_len=8, time_limit_s=240, threads=1))
     assert rec["status"] == "ok", rec
     assert rec["num_ok"] == 4 and rec["ttft_ms"]["median"] > 0 and rec["output_tokens_per_s"] > 0
-    result = json.loads((tmp_path / "engine" / "bench" / "result.json").read_text())
-    assert result["metrics"]["total_output_tokens"] == 4 * 8
+    rows = [json.loads(line) for line in (tmp_path / "engine" / "bench" / "requests.jsonl").read_text().splitlines()]
+    assert [r["usage_completion_tokens"] for r in rows] == [8] * 4  # the engine's own count (ignore_eos)
+
+
+@pytest.mark.slow
+def test_bringup_writes_the_dossier_of_its_final_configuration(tiny_checkpoint, failing_chip, tmp_path):
+    """`firstlight bringup` ends with the dossier, on the loop's own final verify result (about 1 min)."""
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["bringup", "--model", str(tiny_checkpoint("llama", seed=3)), "--target",
+                                   f"emulate:{failing_chip}", "--goal", "kl<=2e-3,top1>=0.95", "--perf-budget", "0",
+                                   "--playbook", str(tmp_path / "pb.json"), "--project", "trn2", "--no-bench",
+                                   "--threads", "1", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    d = json.loads((out / "dossier.json").read_text())
+    assert d["verify"]["source"].startswith("given")
+    assert d["configuration"]["overrides_yaml"] == (out / "overrides.yaml").read_text()
+    assert "aten.cos" in d["configuration"]["overrides_yaml"] and d["configuration"]["predicted"]["decode_tokens_per_s"] > 0
+    state = json.loads((out / "state.json").read_text())
+    assert d["quality"]["mean_kl"] == pytest.approx(state["final"]["metrics"]["kl"], abs=1e-12)
+    assert d["engine"]["status"] == "skipped" and [r["chip"] for r in d["projections"]["chips"]] == ["trn2"]
+    page = (out / "index.html").read_text()
+    assert "RUNBOOK.md" in page and "overrides.yaml" in page

@@ -17,13 +17,15 @@ The loop itself still verifies, applies the chosen override, keeps or reverts it
 changes the order in which candidates are tried, so it cannot make the loop skip a check. Anything
 but a valid `choose_remedy` within `max_rounds` requests (the server is down or slow, the answer is
 not JSON, an unknown tool, an index out of range, plain text) falls back to the playbook order, and
-the reason is kept in `decisions` (one dict per call of `rank`).
+the reason is kept in `decisions` (one dict per call of `rank`; `firstlight bringup` also appends
+each to `OUT/planner.jsonl`).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from firstlight.bringup.planner import Planner, RunInfo
@@ -79,28 +81,34 @@ class ChatConfig:
 
 
 class ChatPlanner:
-    def __init__(self, config: ChatConfig, fallback: Planner, playbook: Any = None) -> None:
+    def __init__(self, config: ChatConfig, fallback: Planner, playbook: Any = None,
+                 log_path: Path | None = None) -> None:
         self.config = config
         self.fallback = fallback
         self.playbook = playbook if playbook is not None else getattr(fallback, "playbook", None)
         self.decisions: list[dict[str, Any]] = []
+        self.log_path = log_path  # each decision appended as one JSON line (the bring-up's planner.jsonl)
 
     def rank(self, sig: Signature, candidates: list[Candidate], info: RunInfo, spread: float = 0.0) -> list[Candidate]:
         """The chat model's choice first, then the rest in playbook order; the playbook order on any failure."""
         base = self.fallback.rank(sig, candidates, info, spread)
         decision: dict[str, Any] = {"signature": sig.describe(), "num_candidates": len(base)}
-        self.decisions.append(decision)
+        ranked = base
         if len(base) < 2:
             decision["fallback"] = "fewer than two candidates: nothing to choose"
-            return base
-        try:
-            index, reason, rounds = self._ask(sig, base, info, spread)
-        except ChatPlannerError as e:
-            decision["fallback"] = str(e)
-            return base
-        decision.update(chosen=base[index].description, remedy=base[index].remedy, index=index, reason=reason,
-                        rounds=rounds)
-        return [base[index], *base[:index], *base[index + 1:]]
+        else:
+            try:
+                index, reason, rounds = self._ask(sig, base, info, spread)
+                decision.update(chosen=base[index].description, remedy=base[index].remedy, index=index,
+                                reason=reason, rounds=rounds)
+                ranked = [base[index], *base[:index], *base[index + 1:]]
+            except ChatPlannerError as e:
+                decision["fallback"] = str(e)
+        self.decisions.append(decision)
+        if self.log_path is not None:
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps(decision) + "\n")
+        return ranked
 
     # ---- one decision ---------------------------------------------------------------------------------
     def _ask(self, sig: Signature, cands: list[Candidate], info: RunInfo, spread: float) -> tuple[int, str, int]:
@@ -184,7 +192,8 @@ def _choice(args: dict[str, Any], n: int) -> int:
 PLANNERS = ("playbook", "chat")
 
 
-def planner_from_options(name: str, url: str | None, model: str | None, playbook: Any) -> Planner:
+def planner_from_options(name: str, url: str | None, model: str | None, playbook: Any,
+                         log_path: Path | None = None) -> Planner:
     """The planner `--planner NAME [--planner-url URL --planner-model M]` asks for; FirstlightError (exit 2) if bad.
 
     The chat planner's API key, if its server needs one, comes from $FIRSTLIGHT_PLANNER_API_KEY.
@@ -203,7 +212,8 @@ def planner_from_options(name: str, url: str | None, model: str | None, playbook
                                  "http://127.0.0.1:8000) and --planner-model (the model name it serves)")
     if not url.startswith(("http://", "https://")):
         raise PlannerOptionError(f"--planner-url '{url}': expected an http:// or https:// URL")
-    return ChatPlanner(ChatConfig(url=url, model=model, api_key=os.environ.get("FIRSTLIGHT_PLANNER_API_KEY")), base)
+    return ChatPlanner(ChatConfig(url=url, model=model, api_key=os.environ.get("FIRSTLIGHT_PLANNER_API_KEY")), base,
+                       log_path=log_path)
 
 
 class PlannerOptionError(FirstlightError):

@@ -67,7 +67,7 @@ def bringup(
     from firstlight.errors import FirstlightError
 
     try:
-        the_planner = planner_from_options(planner, planner_url, planner_model, book)
+        the_planner = planner_from_options(planner, planner_url, planner_model, book, out / "planner.jsonl")
     except FirstlightError as e:
         _fail(str(e))
     _check_writable(out)

@@ -176,8 +176,9 @@ def test_the_loop_reaches_the_goal_with_a_chat_planner_that_picks_the_last_candi
 
     srv = fake_chat([last] * 40)
     book = Playbook(tmp_path / "pb.json")
-    planner = ChatPlanner(ChatConfig(url=srv.url, model="fake", timeout_s=10), PlaybookPlanner(book))
     out = tmp_path / "out"
+    planner = ChatPlanner(ChatConfig(url=srv.url, model="fake", timeout_s=10), PlaybookPlanner(book),
+                          log_path=tmp_path / "planner.jsonl")
     model = tiny_checkpoint("llama", seed=3)
     cfg = BringupConfig(model_path=model, chip=str(failing_chip), goal=parse_goal("kl<=2e-3,top1>=0.95"), budget=14,
                         perf_budget=0, out=out, prompt_ids=list(range(3, 35)),
@@ -190,3 +191,5 @@ def test_the_loop_reaches_the_goal_with_a_chat_planner_that_picks_the_last_candi
     assert chosen and all(d["reason"] == "the last one" for _, d in chosen)
     assert all(it["remedy"]["description"] == d["chosen"] for it, d in chosen)
     assert all(d["index"] == d["num_candidates"] - 1 for _, d in chosen)
+    logged = [json.loads(line) for line in (tmp_path / "planner.jsonl").read_text().splitlines()]
+    assert logged == planner.decisions

@@ -13,6 +13,7 @@ from rich.console import Console
 
 from firstlight.bench.cli import app as bench_app
 from firstlight.bringup.cli import bringup
+from firstlight.bringup.dossier_cli import dossier
 from firstlight.core.trace_cli import app as trace_app
 from firstlight.engine.cli import serve
 from firstlight.errors import FirstlightError
@@ -34,6 +35,7 @@ app.add_typer(models_app, name="models")
 app.command()(generate)
 app.command()(verify)
 app.command()(bringup)
+app.command()(dossier)
 app.command()(serve)
 app.add_typer(bench_app, name="bench")
 app.add_typer(sim_app, name="sim")

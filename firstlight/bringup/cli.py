@@ -26,9 +26,14 @@ def bringup(
     remedies: list[Path] = typer.Option([], help="Extra remedy files (Python; they run their code: trusted files only)."),
     project: str = typer.Option("", help="Chips to project serving on in the dossier, e.g. h100,trn2 ('' : none)."),
     dossier: bool = typer.Option(True, "--dossier/--no-dossier", help="Write the dossier (index.html, dossier.json)."),
+    bench: bool = typer.Option(True, "--bench/--no-bench", help="Dossier: measure our engine on this machine."),
     prompt_tokens: int = typer.Option(40, help="Tokens of the bundled text verify uses as the prompt."),
     threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
     seed: int = typer.Option(0, help="Seed of stochastic rounding."),
+    planner: str = typer.Option("playbook", help="Who orders the remedies: playbook (past success), or chat (an "
+                                "OpenAI-compatible chat model through function calling; the playbook if it fails)."),
+    planner_url: str | None = typer.Option(None, help="--planner chat: the server's base URL (http://HOST:PORT)."),
+    planner_model: str | None = typer.Option(None, help="--planner chat: the model name the server serves."),
 ) -> None:
     """Bring a model up on an emulated chip: verify, localize, remedy, repeat; then buy the speed back."""
     from rich.console import Console
@@ -58,9 +63,23 @@ def bringup(
             load_file(f)
         except FirstlightError as e:
             _fail(str(e))
+    from firstlight.bringup.chat_planner import planner_from_options
+    from firstlight.errors import FirstlightError
+
+    try:
+        the_planner = planner_from_options(planner, planner_url, planner_model, book, out / "planner.jsonl")
+    except FirstlightError as e:
+        _fail(str(e))
     _check_writable(out)
+    if dossier and project:
+        from firstlight.bringup.dossier_project import check_chips
+
+        try:
+            check_chips([p for p in project.split(",") if p])
+        except FirstlightError as e:
+            _fail(str(e))
     _run(model, chip, the_goal, budget, perf_budget, out, overrides, book, project, dossier, prompt_tokens, threads,
-         seed, con)
+         seed, con, planner=the_planner, bench=bench)
 
 
 def _fail(message: str) -> None:
@@ -99,7 +118,7 @@ def _check_writable(out: Path) -> None:
 
 
 def _run(model: str, chip: str, goal, budget: int, perf_budget: int, out: Path, overrides: Path | None, book,
-         project: str, dossier: bool, prompt_tokens: int, threads: int, seed: int, con) -> None:
+         project: str, dossier: bool, prompt_tokens: int, threads: int, seed: int, con, planner=None, bench: bool = True) -> None:
     import torch
 
     from firstlight.bringup import runbook
@@ -128,7 +147,7 @@ def _run(model: str, chip: str, goal, budget: int, perf_budget: int, out: Path, 
                       f" ({it.get('seconds', 0):.0f} s)  {'; '.join(after['unmet'][:1])[:90]}", highlight=False,
                       soft_wrap=True)
 
-    loop = BringupLoop(cfg, book, on_iteration=progress)
+    loop = BringupLoop(cfg, book, planner=planner, on_iteration=progress)
     try:
         state = loop.run()
     except KeyboardInterrupt:
@@ -143,7 +162,8 @@ def _run(model: str, chip: str, goal, budget: int, perf_budget: int, out: Path, 
         from firstlight.bringup.dossier import write_dossier
 
         html = write_dossier(out, model=model, target=f"emulate:{chip}", overrides_file=out / "overrides.yaml",
-                             verify_result=loop.final_result, project=[p for p in project.split(",") if p])
+                             verify_result=loop.final_result, project=[p for p in project.split(",") if p],
+                             bench=bench)
         con.print(f"dossier: {html}", highlight=False)
     raise typer.Exit(code=0 if state.final["met"] else 1)
 

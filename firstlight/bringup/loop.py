@@ -243,8 +243,9 @@ class BringupLoop:
                                   modules=[p for p, _ in current.target._model.named_modules()]
                                   if current.target._model is not None else [])
             tried = st.tried.setdefault(sig.describe(), [])
-            ranked = self.planner.rank(sig, R.candidates(sig, ctx), self.info, spread=current.spread())
-            cands = [c for c in ranked if c.key not in tried and c.key not in {k.key for k in kept}]
+            # the planner ranks only what is left to try (a chat planner must not pick a tried one)
+            untried = [c for c in R.candidates(sig, ctx) if c.key not in tried and c.key not in {k.key for k in kept}]
+            cands = self.planner.rank(sig, untried, self.info, spread=current.spread()) if untried else []
             if not cands:
                 st.status = "no_remedy"
                 self._log("no remedy left", current, sig, None)

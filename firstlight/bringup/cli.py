@@ -27,7 +27,7 @@ def bringup(
     project: str = typer.Option("", help="Chips to project serving on in the dossier, e.g. h100,trn2 ('' : none)."),
     dossier: bool = typer.Option(True, "--dossier/--no-dossier", help="Write the dossier (index.html, dossier.json)."),
     bench: bool = typer.Option(True, "--bench/--no-bench", help="Dossier: measure our engine on this machine."),
-    prompt_tokens: int = typer.Option(40, help="Tokens of the bundled text verify uses as the prompt."),
+    prompt_tokens: int = typer.Option(32, help="Tokens of the bundled text verify uses as the prompt."),
     threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
     seed: int = typer.Option(0, help="Seed of stochastic rounding."),
     planner: str = typer.Option("playbook", help="Who orders the remedies: playbook (past success), or chat (an "

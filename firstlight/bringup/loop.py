@@ -14,6 +14,7 @@ with the same `--out` continues where it stopped.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import tempfile
@@ -117,8 +118,9 @@ class BringupConfig:
     perf_budget: int = 8  # verify runs for the performance phase
     out: Path = Path("bringup")
     base_overrides: Overrides = field(default_factory=Overrides)
-    verify: VerifyConfig = field(default_factory=lambda: VerifyConfig(new_tokens=8, ppl_tokens=192, ppl_window=96,
-                                                                       ppl_stride=48))
+    # Smaller than verify's defaults (every path still runs): each bring-up iteration is one verify.
+    verify: VerifyConfig = field(default_factory=lambda: VerifyConfig(new_tokens=8, ppl_tokens=128, ppl_window=64,
+                                                                       ppl_stride=32))
     prompt_ids: list[int] | None = None
     ppl_ids: list[int] | None = None
     seed: int = 0
@@ -166,7 +168,7 @@ class BringupLoop:
     def __init__(self, cfg: BringupConfig, playbook: Playbook, planner: Planner | None = None,
                  on_iteration: Callable[[BringupState], None] | None = None) -> None:
         from firstlight.core.hardware import load_spec
-        from firstlight.models.loader import load_config
+        from firstlight.models.loader import load_config, load_model
         from firstlight.verify.harness import load_reference
 
         self.cfg = cfg
@@ -178,6 +180,7 @@ class BringupLoop:
         self.info = RunInfo(chip=self.spec.name, vendor=self.spec.vendor, family=self.model_cfg.family,
                             model=str(cfg.model_path))
         self.reference = load_reference(cfg.model_path)
+        self._pristine = load_model(cfg.model_path, torch.float32, with_tokenizer=False)[0]
         self.state = BringupState.load(cfg.out) or BringupState(model=str(cfg.model_path), chip=cfg.chip,
                                                                 goal=cfg.goal.text)
         if (self.state.model, self.state.chip) != (str(cfg.model_path), cfg.chip):
@@ -191,12 +194,10 @@ class BringupLoop:
         return self.cfg.base_overrides.plus(*(r for c in kept for r in c.rules))
 
     def evaluate(self, kept: list[R.Candidate]) -> Evaluation:
-        from firstlight.models.loader import load_model
-
         self.runs += 1
         t0 = time.perf_counter()
         target = EmulatedTarget(chip=self.cfg.chip, overrides=self.overrides(kept), seed=self.cfg.seed)
-        model, _ = load_model(self.cfg.model_path, torch.float32, with_tokenizer=False)
+        model = copy.deepcopy(self._pristine)  # the target hooks the model it prepares: one fresh copy per run
         ctx = Context(accumulator=lambda m, op: target.site_numerics(m, op).matmul.accumulator,
                       reduction_len=lambda m: _in_features(model, m))
         try:
@@ -304,6 +305,7 @@ class BringupLoop:
             "signature": sig.to_dict() if sig else None,
             "remedy": cand.to_dict() if cand else None, "outcome": outcome,
             "after": {"met": ev.met, "error": ev.error, "unmet": ev.unmet[:4], "metrics": ev.metrics(),
+                      "timings_s": {k: round(v, 2) for k, v in ((ev.result or {}).get("timings_s") or {}).items()},
                       "signature": ev.signature.to_dict() if ev.signature else None,
                       "culprit": {k: c.get(k) for k in ("op", "module", "source")} if c else None,
                       "cost_ms": ev.cost_ms},

@@ -16,9 +16,13 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 
 install: $(STAMP)
 
+# The main job: bring SmolLM2-135M up on an emulated Wormhole whose defaults fail (docs/BRINGUP.md).
+# Its own playbook (reports/demo-playbook.json): a second `make demo` tries what worked first.
 demo: $(STAMP)
 	$(BIN)/firstlight models pull smollm2-135m
-	$(BIN)/firstlight generate --model smollm2-135m --prompt "The capital of France is" --max-tokens 24 --temperature 0
+	rm -rf reports/demo
+	$(BIN)/firstlight bringup --model smollm2-135m --target emulate:wormhole-n300 --out reports/demo \
+		--playbook reports/demo-playbook.json --project h100,trn2 --threads 2
 
 # Everything but tests marked slow or device; includes parity on the real SmolLM2-135M and Gemma 3 270M.
 test: $(STAMP)

@@ -459,12 +459,14 @@ def preflight(url: str, *, timeout_s: float = 10.0, api_key: str | None = None) 
     return info
 
 
-def reset_prefix_cache(url: str, *, timeout_s: float = 30.0) -> bool:
-    """POST /reset_prefix_cache; False when the server has no such endpoint."""
+def reset_prefix_cache(url: str, *, timeout_s: float = 30.0, api_key: str | None = None) -> bool:
+    """POST /reset_prefix_cache (a JSON body, as firstlight's and vLLM's servers take); False when the
+    server has no such endpoint."""
     import httpx
 
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        r = httpx.post(_base(url) + "/reset_prefix_cache", timeout=timeout_s)
+        r = httpx.post(_base(url) + "/reset_prefix_cache", json={}, headers=headers, timeout=timeout_s)
     except httpx.HTTPError:
         return False
     return r.status_code < 300

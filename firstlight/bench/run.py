@@ -96,7 +96,7 @@ def run_benchmark(cfg: RunConfig, *, progress: Any = None, server_info: dict | N
     cfg.load.validate()
     slo = SLO.parse(cfg.slo)
     workload = Workload(cfg.workload)
-    reset = reset_prefix_cache(cfg.url) if cfg.reset_prefix_cache else None
+    reset = reset_prefix_cache(cfg.url, api_key=cfg.api_key) if cfg.reset_prefix_cache else None
     if cfg.reset_prefix_cache and not reset:
         server["prefix_cache_reset_supported"] = False
     out = asyncio.run(_drive(cfg, workload, progress))

@@ -39,6 +39,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     compile_decode: bool = False
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 | fp8 (firstlight/quant/kv.py)
     seed: int = 0
     trace_path: str | Path | None = None
     speculative: SpecConfig | None = None  # a proposer (ngram, draft, heads) and its k; None = off
@@ -104,7 +105,7 @@ class LLMEngine:
                 f"{mcfg.max_position_embeddings}; lower it"
             )
         num_blocks = config.num_blocks or max(
-            1, config.kv_cache_bytes // ModelRunner.kv_bytes_per_block(model, config.block_size)
+            1, config.kv_cache_bytes // ModelRunner.kv_bytes_per_block(model, config.block_size, config.kv_cache_dtype)
         )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -120,6 +121,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, num_blocks, config.block_size, device, config.compile_decode,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         self.sampler = Sampler(config.seed)
         self.spec = None

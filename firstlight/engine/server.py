@@ -5,12 +5,19 @@ Every bad request gets a 400 with the OpenAI error object
 disconnects has its request aborted (its KV blocks are freed before the next step): streaming
 responses notice through cancellation of the SSE generator, non-streaming ones through a task
 that listens for `http.disconnect` (the pattern vLLM uses).
+
+Safe to expose (docs/SERVING.md, "Exposing the server"): the limits, the API key, the Host
+allow-list and the slow-client timeouts live in `server_guard.py`; here, tokenization and chat
+templating run in a worker thread (a 1 MB prompt does not stall other streams or /health), text the
+tokenizer rejects is a 400, every request has a time limit, and a 500 never carries internal
+exception text (it is logged, with its traceback, under an id the client gets).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -25,16 +32,28 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from firstlight.engine.async_engine import AsyncLLM
 from firstlight.engine.engine import RequestOutput
-from firstlight.engine.protocol import ChatCompletionRequest, CompletionRequest
+from firstlight.engine.protocol import ChatCompletionRequest, CompletionRequest, ResetPrefixCacheRequest
 from firstlight.engine.request import SamplingParams
 from firstlight.engine.sampler import TokenLogprobs
+from firstlight.engine.server_guard import Guard, ServerLimits, protocol_with_header_timeout
+from firstlight.engine.server_schema import install_openapi
 from firstlight.errors import FirstlightError
 
+log = logging.getLogger("firstlight.server")
 
-def error_response(message: str, status: int = 400, param: str | None = None, code: str | None = None) -> JSONResponse:
+
+def error_response(message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "internal_server_error"
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def internal_error(exc: BaseException | None = None) -> JSONResponse:
+    """A 500 that tells the client an id to quote, and keeps the exception text in the server log."""
+    eid = uuid.uuid4().hex[:12]
+    log.error("internal error %s", eid, exc_info=exc)
+    return error_response(f"internal server error (id {eid}; the server log has the details)", 500)
 
 
 class BadRequest(Exception):
@@ -65,9 +84,10 @@ async def with_disconnect(request: Request, coro: Awaitable[Response]) -> Respon
 class OpenAIServing:
     """The endpoints' logic, separate from the FastAPI wiring."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+    def __init__(self, llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None) -> None:
         self.llm = llm
         self.model_name = model_name
+        self.limits = limits or ServerLimits()
         self.engine = llm.engine
         self.tokenizer = llm.engine.tokenizer
         self.created = int(time.time())
@@ -110,7 +130,13 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
         if requested is None:
-            return limit - prompt_len
+            return min(limit - prompt_len, self.limits.max_tokens)
+        if requested > self.limits.max_tokens:
+            raise BadRequest(
+                f"max_tokens {requested} exceeds this server's limit of {self.limits.max_tokens} tokens per "
+                "request (--max-tokens-limit); ask for fewer",
+                param="max_tokens",
+            )
         if prompt_len + requested > limit:
             raise BadRequest(
                 f"prompt ({prompt_len} tokens) + max_tokens ({requested}) = {prompt_len + requested} exceeds the "
@@ -120,6 +146,43 @@ class OpenAIServing:
             )
         return requested
 
+    def check_num_prompts(self, num: int) -> None:
+        if num > self.limits.max_prompts_per_request:
+            raise BadRequest(
+                f"{num} prompts in one request; this server takes at most {self.limits.max_prompts_per_request} "
+                "(--max-prompts-per-request): split them over several requests",
+                param="prompt",
+            )
+
+    def _encode(self, text: str, param: str, add_special_tokens: bool = True, split_special: bool = False) -> list[int]:
+        """Token ids of `text`; text the tokenizer rejects is the client's error, not ours."""
+        if self.tokenizer is None:
+            raise BadRequest("this server has no tokenizer; send token ids", param=param)
+        try:
+            kw = {"split_special_tokens": True} if split_special else {}
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens, **kw))
+        except (ValueError, TypeError, UnicodeError, OverflowError) as e:
+            raise BadRequest(f"{param}: the tokenizer rejected this text ({type(e).__name__}); send valid UTF-8 "
+                             "text", param=param) from None
+        except Exception as e:  # tokenizers' Rust errors (PanicException is a BaseException subclass elsewhere)
+            log.warning("tokenizer failed on %s: %s", param, e)
+            raise BadRequest(f"{param}: the tokenizer could not encode this text", param=param) from None
+
+    def tokenize_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Runs in a worker thread (see `completions`)."""
+        return [self._encode(p, "prompt") if isinstance(p, str) else list(p) for p in prompts]
+
+    def _deadline(self) -> float:
+        return asyncio.get_running_loop().time() + self.limits.request_timeout_s
+
+    def _expire_at(self, deadline: float, rids: list[str]) -> asyncio.TimerHandle:
+        """End these requests at the deadline (finish_reason "length", stop_reason "time_limit")."""
+        def expire() -> None:
+            for rid in rids:
+                self.llm.expire(rid)
+
+        return asyncio.get_running_loop().call_at(deadline, expire)
+
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
 
@@ -127,15 +190,29 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         self.check_speculation(req.num_speculative_tokens)
-        prompts = [self.engine.tokenize(p) for p in req.prompts()]
+        raw_prompts = req.prompts()
+        self.check_num_prompts(len(raw_prompts))
+        deadline = self._deadline()
+        # off the event loop: a 1 MB prompt takes the tokenizer a while, and other streams keep going
+        prompts = await asyncio.to_thread(self.tokenize_prompts, raw_prompts)
+        self._check_stop(req)
         params = [req.sampling_params(self.max_tokens(len(ids), req.max_tokens), req.logprobs) for ids in prompts]
         base_id = f"cmpl-{uuid.uuid4().hex}"
         rids = self._add_all(base_id, prompts, params)
+        timer = self._expire_at(deadline, rids)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            return self._sse(self._completion_chunks(base_id, rids, include_usage))
-        resp = await with_disconnect(raw, self._completion_full(base_id, rids))
+            return self._sse(self._completion_chunks(base_id, rids, include_usage), timer)
+        try:
+            resp = await with_disconnect(raw, self._completion_full(base_id, rids))
+        finally:
+            timer.cancel()
         return resp if resp is not None else Response(status_code=499)
+
+    def _check_stop(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+        stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+        for s in stops:  # the detokenizer matches text, but a stop the tokenizer cannot encode is suspect
+            self._encode(s, "stop", add_special_tokens=False)
 
     def _add_all(self, base_id: str, prompts: list[list[int]], params: list[SamplingParams]) -> list[str]:
         rids = []
@@ -265,18 +342,50 @@ class OpenAIServing:
 
     # ---- chat ------------------------------------------------------------------------------
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        """Token ids of the templated conversation (runs in a worker thread).
+
+        By default, text in a message that spells a special token (`<|im_end|>`) becomes that
+        token, as in vLLM and HF `apply_chat_template(tokenize=True)`: a user can close their own
+        turn and write one for another role. With `escape_special_tokens` (serve
+        --chat-escape-special-tokens) message contents are tokenized as plain text instead: the
+        template is rendered with a placeholder per message, the template's own text is tokenized
+        with special tokens and each content with `split_special_tokens=True`.
+        """
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest("this model's tokenizer has no chat template; use /v1/completions", param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt, tokenize=False
-        )
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        contents = [m.text() for m in req.messages]
+        if not self.limits.escape_special_tokens:
+            messages = [{"role": m.role, "content": c} for m, c in zip(req.messages, contents, strict=True)]
+            text = self._template(messages, req.add_generation_prompt)
+            return self._encode(text, "messages", add_special_tokens=False)
+        marks = [f"\x00FLMSG{i}-{uuid.uuid4().hex[:8]}\x00" for i in range(len(contents))]
+        messages = [{"role": m.role, "content": mk} for m, mk in zip(req.messages, marks, strict=True)]
+        text = self._template(messages, req.add_generation_prompt)
+        ids: list[int] = []
+        for mark, content in zip(marks, contents, strict=True):
+            head, found, text = text.partition(mark)
+            if not found or mark in text:
+                raise BadRequest("this model's chat template does not place each message's content verbatim, so "
+                                 "special tokens in it cannot be escaped (--chat-escape-special-tokens)",
+                                 param="messages")
+            ids += self._encode(head, "messages", add_special_tokens=False) if head else []
+            ids += self._encode(content, "messages", add_special_tokens=False, split_special=True) if content else []
+        return ids + (self._encode(text, "messages", add_special_tokens=False) if text else [])
+
+    def _template(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)
+        except Exception as e:  # jinja2 errors raised by the template itself (e.g. "roles must alternate")
+            raise BadRequest(f"messages: the chat template rejected this conversation ({e})"[:400],
+                             param="messages") from None
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         self.check_speculation(req.num_speculative_tokens)
-        ids = self.chat_prompt(req)
+        deadline = self._deadline()
+        ids = await asyncio.to_thread(self.chat_prompt, req)
+        self._check_stop(req)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         n_lp = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs and not req.logprobs:
@@ -284,10 +393,14 @@ class OpenAIServing:
         params = req.sampling_params(self.max_tokens(len(ids), requested), n_lp)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         rids = self._add_all(base_id, [ids], [params])
+        timer = self._expire_at(deadline, rids)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            return self._sse(self._chat_chunks(base_id, rids[0], include_usage))
-        resp = await with_disconnect(raw, self._chat_full(base_id, rids[0]))
+            return self._sse(self._chat_chunks(base_id, rids[0], include_usage), timer)
+        try:
+            resp = await with_disconnect(raw, self._chat_full(base_id, rids[0]))
+        finally:
+            timer.cancel()
         return resp if resp is not None else Response(status_code=499)
 
     def _chat_logprobs(self, lps: list[TokenLogprobs]) -> dict[str, Any]:
@@ -359,8 +472,24 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     @staticmethod
-    def _sse(gen: AsyncIterator[str]) -> StreamingResponse:
-        return StreamingResponse(gen, media_type="text/event-stream")
+    def _sse(gen: AsyncIterator[str], timer: asyncio.TimerHandle | None = None) -> StreamingResponse:
+        async def guarded() -> AsyncIterator[str]:
+            # headers are sent by now: a failure mid-stream ends it with an error event, not a dropped socket
+            try:
+                async for item in gen:
+                    yield item
+            except Exception as e:
+                eid = uuid.uuid4().hex[:12]
+                log.error("internal error %s in a stream", eid, exc_info=e)
+                yield _sse({"error": {"message": f"internal server error (id {eid}; the server log has the "
+                                                 "details)", "type": "internal_server_error", "param": None,
+                                      "code": None}})
+                yield "data: [DONE]\n\n"
+            finally:
+                if timer is not None:
+                    timer.cancel()
+
+        return StreamingResponse(guarded(), media_type="text/event-stream")
 
 
 def _usage(num_prompt: int, num_out: int) -> dict[str, int]:
@@ -383,8 +512,9 @@ def _validation_message(exc: RequestValidationError | ValidationError) -> tuple[
     return f"{param or 'request'}: {e.get('msg', 'invalid')}", param
 
 
-def create_app(llm: AsyncLLM, model_name: str) -> FastAPI:
-    serving = OpenAIServing(llm, model_name)
+def create_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None) -> FastAPI:
+    limits = limits or ServerLimits()
+    serving = OpenAIServing(llm, model_name, limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -394,6 +524,8 @@ def create_app(llm: AsyncLLM, model_name: str) -> FastAPI:
 
     app = FastAPI(title="firstlight", lifespan=lifespan)
     app.state.serving = serving
+    app.state.limits = limits
+    app.add_middleware(Guard, limits=limits)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -402,7 +534,8 @@ def create_app(llm: AsyncLLM, model_name: str) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(str(exc.detail), exc.status_code, code=None)
+        # keeps the exception's headers: `Allow` on a 405
+        return error_response(str(exc.detail), exc.status_code, code=None, headers=exc.headers)
 
     @app.exception_handler(BadRequest)
     async def _bad(_: Request, exc: BadRequest) -> JSONResponse:
@@ -419,7 +552,7 @@ def create_app(llm: AsyncLLM, model_name: str) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        return error_response(f"internal error: {type(exc).__name__}: {exc}", 500)
+        return internal_error(exc)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -447,7 +580,7 @@ def create_app(llm: AsyncLLM, model_name: str) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if llm.errored is not None:
-            return error_response(f"engine failed: {llm.errored}", 500)
+            return error_response("the engine failed; the server log has the details", 500)
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -459,17 +592,37 @@ def create_app(llm: AsyncLLM, model_name: str) -> FastAPI:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> dict[str, Any]:
+    async def reset_prefix_cache(raw: Request) -> Response:
+        # a JSON body (even `{}`) is required: a cross-site page cannot send one without a CORS
+        # preflight, which this server never grants, so a browser cannot be used to reset the cache
+        ctype = raw.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            return error_response("POST a JSON object (e.g. {}) with Content-Type: application/json", 415,
+                                  code="unsupported_media_type")
+        try:
+            ResetPrefixCacheRequest.model_validate_json(await raw.body())
+        except ValidationError as e:
+            message, param = _validation_message(e)
+            return error_response(message, 400, param)
         n = await llm.call_between_steps(llm.engine.reset_prefix_cache)
-        return {"num_dropped_blocks": n}
+        return JSONResponse({"num_dropped_blocks": n})
 
+    install_openapi(app)
     return app
+
+
+def uvicorn_config(app: FastAPI, host: str, port: int, limits: ServerLimits, **kw: Any) -> Any:
+    """uvicorn settings that go with the limits: the header deadline, and idle keep-alive closes."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, http=protocol_with_header_timeout(limits.header_timeout_s),
+                          timeout_keep_alive=5, h11_max_incomplete_event_size=64 * 1024, **kw)
 
 
 def serve(
     model: str, host: str = "127.0.0.1", port: int = 8000, trace: str | None = None,
     dtype: str = "float32", served_name: str | None = None, quantization: str | None = None,
-    **engine_kwargs: Any,
+    limits: ServerLimits | None = None, **engine_kwargs: Any,
 ) -> None:
     """Load the model and run the server until interrupted (blocking)."""
     import uvicorn
@@ -477,10 +630,11 @@ def serve(
     from firstlight.engine.engine import EngineConfig, LLMEngine
     from firstlight.engine.llm import load
 
+    limits = limits or ServerLimits()
     m, tok = load(model, dtype, quantization)
     engine = LLMEngine(m, tok, EngineConfig(trace_path=trace, **engine_kwargs))
-    app = create_app(AsyncLLM(engine), served_name or model)
+    app = create_app(AsyncLLM(engine), served_name or model, limits)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        uvicorn.Server(uvicorn_config(app, host, port, limits, log_level="warning")).run()
     finally:
         engine.close()

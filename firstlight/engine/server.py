@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -500,16 +501,23 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|.*\[.*\])$")
+
+
 def _validation_message(exc: RequestValidationError | ValidationError) -> tuple[str, str | None]:
+    """One line naming the field. For a union (prompt: str | list[str] | ...) pydantic reports every
+    member; the check that knew what was meant (a `value_error` from our validators) wins, and the
+    members' tags (`function-after[...]`, `list[int]`) are dropped from the path."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    e = errors[0]
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-    param = ".".join(loc) or None
-    if e.get("type") == "json_invalid":
+    if any(e.get("type") == "json_invalid" for e in errors):
         return "the request body is not valid JSON; send a JSON object", None
-    return f"{param or 'request'}: {e.get('msg', 'invalid')}", param
+    e = next((e for e in errors if e.get("type") == "value_error"), errors[0])
+    loc = [str(x) for x in e.get("loc", ()) if x != "body" and not _UNION_TAG.match(str(x))]
+    param = ".".join(loc) or None
+    msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+    return f"{param or 'request'}: {msg}", param
 
 
 def create_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None) -> FastAPI:

@@ -33,6 +33,8 @@ def _valid_text(v: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_text)]
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_valid_text)]
+NoLogitBias = Annotated[dict[str, float], Field(max_length=0)]  # accepted only empty (the schema says so)
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
@@ -51,7 +53,7 @@ class _SamplingFields(BaseModel):
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: Text | Annotated[list[Text], Field(max_length=16)] | None = None
+    stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=16)] | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -102,14 +104,22 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Text | list[Text] | list[Annotated[int, Field(ge=0, lt=2**31)]] | list[
+    prompt: NonEmptyText | list[NonEmptyText] | list[Annotated[int, Field(ge=0, lt=2**31)]] | list[
         Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(min_length=1)]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: Literal[False] = False
-    best_of: Literal[1] | None = None
-    logit_bias: dict[str, float] | None = None
+    # not Literal[False] / Literal[1]: a Literal compares equal, so it would take 0 for False and true for 1
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=1)
+    logit_bias: NoLogitBias | None = None
     suffix: None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported")
+        return v
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -134,12 +144,12 @@ class CompletionRequest(_SamplingFields):
         raise ValueError("prompt must be a string, a list of strings, a list of token ids (integers) or a list "
                          "of non-empty token-id lists; not a mix, and no booleans, floats or nulls")
 
-    @field_validator("logit_bias")
+    @field_validator("logit_bias", mode="before")
     @classmethod
-    def _no_logit_bias(cls, v: dict[str, float] | None) -> None:
+    def _no_logit_bias(cls, v: Any) -> Any:
         if v:
             raise ValueError("logit_bias is not supported")
-        return None
+        return v
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -175,14 +185,14 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
-    logit_bias: dict[str, float] | None = None
+    logit_bias: NoLogitBias | None = None
 
-    @field_validator("logit_bias")
+    @field_validator("logit_bias", mode="before")
     @classmethod
-    def _no_logit_bias(cls, v: dict[str, float] | None) -> None:
+    def _no_logit_bias(cls, v: Any) -> Any:
         if v:
             raise ValueError("logit_bias is not supported")
-        return None
+        return v
 
 
 class ResetPrefixCacheRequest(BaseModel):

@@ -513,10 +513,12 @@ def _validation_message(exc: RequestValidationError | ValidationError) -> tuple[
         return "invalid request", None
     if any(e.get("type") == "json_invalid" for e in errors):
         return "the request body is not valid JSON; send a JSON object", None
-    e = next((e for e in errors if e.get("type") == "value_error"), errors[0])
+    e = next((e for kind in ("value_error", "string_unicode") for e in errors if e.get("type") == kind), errors[0])
     loc = [str(x) for x in e.get("loc", ()) if x != "body" and not _UNION_TAG.match(str(x))]
     param = ".".join(loc) or None
     msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+    if e.get("type") == "string_unicode":
+        msg = "not valid Unicode text (a lone surrogate such as \\ud800); send UTF-8 text"
     return f"{param or 'request'}: {msg}", param
 
 

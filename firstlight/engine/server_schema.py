@@ -34,20 +34,23 @@ _ERRORS = {
     "413": "request body over --max-body-bytes",
     "500": "internal error (the message carries an id to find in the server log, never exception text)",
 }
-_OBJECT = {"type": "object"}
+# one server-sent event (OpenAPI 3.1 has `schema` of text/event-stream describe each event): a `data:`
+# line holding a JSON chunk, an error object, or the final `[DONE]`
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 _CHOICES_BODY = {"type": "object", "required": ["id", "object", "created", "model", "choices"],
                  "properties": {"choices": {"type": "array"}, "usage": {"type": ["object", "null"]}}}
 _SUCCESS: dict[tuple[str, str], dict[str, Any]] = {
     ("/v1/completions", "post"): {
         "description": "the completion (JSON), or with `stream: true` server-sent events ending in `data: [DONE]`",
         "content": {"application/json": {"schema": _CHOICES_BODY},
-                    "text/event-stream": {"schema": {"type": "string"}}},
+                    "text/event-stream": {"schema": _SSE_EVENT}},
     },
     ("/v1/chat/completions", "post"): {
         "description": "the chat completion (JSON), or with `stream: true` server-sent events ending in "
                        "`data: [DONE]`",
         "content": {"application/json": {"schema": _CHOICES_BODY},
-                    "text/event-stream": {"schema": {"type": "string"}}},
+                    "text/event-stream": {"schema": _SSE_EVENT}},
     },
     ("/v1/models", "get"): {
         "description": "the served model",

@@ -82,6 +82,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        if not isinstance(cfg, dict):
+            raise ModelLoadError(f"{source}: expected a JSON object, got a {type(cfg).__name__}")
         model_type = cfg.get("model_type")
         if model_type == "gemma3" and "text_config" in cfg:  # multimodal wrapper: use its text tower
             cfg = {**cfg["text_config"], "model_type": "gemma3_text"}
@@ -91,11 +93,38 @@ class ModelConfig:
                 f"{source}: model_type '{model_type}' is not supported; supported: {', '.join(sorted(FAMILIES))}"
             )
         try:
-            return _parse(model_type, cfg)
+            parsed = _parse(model_type, cfg)
+            check_sizes(parsed)
+            return parsed
         except KeyError as e:
             raise ModelLoadError(f"{source}: missing required field {e} for model_type '{model_type}'") from e
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, ArithmeticError) as e:
             raise ModelLoadError(f"{source}: invalid value ({e})") from e
+
+
+# Largest sizes accepted: far above any released model (vocab 262k, hidden 16k, 128 layers, 10M context),
+# far below what would make building the model allocate terabytes before any shape check runs.
+MAX_SIZES: dict[str, int] = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "intermediate_size": 1 << 19,
+                             "num_layers": 1 << 10, "num_heads": 1 << 10, "num_kv_heads": 1 << 10,
+                             "head_dim": 1 << 12, "max_position_embeddings": 1 << 27}
+HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+            "num_kv_heads": "num_key_value_heads"}
+
+
+def _int(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
+    """An integer field, named in the error when it is not one (`"vocab_size": "many"`, 1.5, true)."""
+    value = cfg[key] if default is None else cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        raise ValueError(f"{key} = {value!r} is not an integer")
+    return int(value)
+
+
+def check_sizes(cfg: ModelConfig) -> None:
+    """Every size is a positive integer no larger than MAX_SIZES (named by its config.json key)."""
+    for name, limit in MAX_SIZES.items():
+        value = getattr(cfg, name)
+        if not 1 <= value <= limit:
+            raise ValueError(f"{HF_NAMES.get(name, name)} = {value} is not a plausible size (expected 1 to {limit})")
 
 
 def _rope(params: dict[str, Any] | None, theta: float) -> RopeConfig:
@@ -130,9 +159,11 @@ def _layer_types(model_type: str, cfg: dict[str, Any], num_layers: int) -> tuple
 
 
 def _parse(model_type: str, cfg: dict[str, Any]) -> ModelConfig:
-    hidden = int(cfg["hidden_size"])
-    num_heads = int(cfg["num_attention_heads"])
-    num_layers = int(cfg["num_hidden_layers"])
+    hidden = _int(cfg, "hidden_size")
+    num_heads = _int(cfg, "num_attention_heads")
+    num_layers = _int(cfg, "num_hidden_layers")
+    if num_heads < 1 or num_layers < 1:
+        raise ValueError(f"num_attention_heads = {num_heads} and num_hidden_layers = {num_layers} must be >= 1")
     num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
     head_dim = int(cfg.get("head_dim") or hidden // num_heads)
     if num_heads % num_kv_heads:
@@ -164,14 +195,14 @@ def _parse(model_type: str, cfg: dict[str, Any]) -> ModelConfig:
     attention_bias = bool(cfg.get("attention_bias", False))
     return ModelConfig(
         model_type=model_type,
-        vocab_size=int(cfg["vocab_size"]),
+        vocab_size=_int(cfg, "vocab_size"),
         hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
+        intermediate_size=_int(cfg, "intermediate_size"),
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        max_position_embeddings=_int(cfg, "max_position_embeddings", 4096),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),

@@ -26,7 +26,8 @@ FORMULAS: dict[str, str] = {
     "e2e_ms": "end of stream ([DONE] or last byte) - request send time",
     "duration_s": "last measured request end - first measured request send (warm-up excluded)",
     "request_throughput": "successful measured requests / duration_s",
-    "input_throughput": "sum(input_tokens of successful requests) / duration_s",
+    "input_throughput": "sum(input_tokens of successful requests) / duration_s; null when any request's count is "
+                        "unknown (no --tokenizer and no usage from the server)",
     "output_throughput": "sum(output_tokens of successful requests) / duration_s",
     "goodput": "successful requests meeting every SLO given (ttft_ms, tpot_ms, e2e_ms <= limit) / duration_s; "
                "a request with 1 output token has no TPOT and meets any TPOT limit",
@@ -184,17 +185,21 @@ def summarize(records: list[RequestRecord], slo: SLO | None = None, tok: Any = N
     out["duration_s"] = dur
     if not per:
         return out
-    in_tok = [p["input_tokens"] or 0 for p in per]
+    # an input count is unknown without --tokenizer when the server sends no usage: never count it as 0
+    in_known = [p["input_tokens"] for p in per if p["input_tokens"] is not None]
+    in_complete = len(in_known) == len(per)
     out_tok = [p["output_tokens"] for p in per]
-    out["total_input_tokens"], out["total_output_tokens"] = int(sum(in_tok)), int(sum(out_tok))
+    out["num_input_tokens_unknown"] = len(per) - len(in_known)
+    out["total_input_tokens"] = int(sum(in_known)) if in_complete else None
+    out["total_output_tokens"] = int(sum(out_tok))
     out["request_throughput"] = len(ok) / dur
-    out["input_throughput"] = sum(in_tok) / dur
+    out["input_throughput"] = sum(in_known) / dur if in_complete else None
     out["output_throughput"] = sum(out_tok) / dur
     for name in ("ttft_ms", "tpot_ms", "e2e_ms"):
         out[name] = stats([p[name] for p in per if p[name] is not None])
     out["itl_chunk_ms"] = stats(np.concatenate([p["itl_chunk_ms"] for p in per]))
     out["itl_token_ms"] = stats(np.concatenate([p["itl_token_ms"] for p in per]))
-    out["input_tokens"] = stats(in_tok)
+    out["input_tokens"] = stats(in_known)
     out["output_tokens"] = stats(out_tok)
     med_tpot = out["tpot_ms"]["median"]
     out["tokens_per_s_per_user"] = 1000.0 / med_tpot if med_tpot else None

@@ -40,3 +40,16 @@ def progress(description: str, total: float | None = None, *, unit: str = "") ->
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n=1: bar.advance(task, n)
+
+
+@contextmanager
+def status(description: str) -> Iterator[Callable[[str], None]]:
+    """A spinner with a changing message, for work whose size is unknown (a download, a verification);
+    `update(msg)` sets the message. Not a TTY: each message is one plain line on stderr instead."""
+    if not _interactive():
+        yield lambda msg: print(f"{description}: {msg}", file=sys.stderr)
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status(description) as st:
+        yield lambda msg: st.update(f"{description}: {msg}")

@@ -98,10 +98,11 @@ class PagedKVCache:
         for pool, scales, new in ((self.k_pools[layer], self.scale_pools[0][layer], k_new),
                                   (self.v_pools[layer], self.scale_pools[1][layer], v_new)):
             codes, scale = quantize_kv(new, self.kv_format)  # [N, Hkv, D], [N, Hkv, 1]
-            pool.index_copy_(0, self.write_slots, codes)
+            # one-byte codes are moved as their bytes: CPU index_copy_ has no float8 kernel (torch 2.13)
+            pool.index_copy_(0, self.write_slots, codes.view(pool.dtype))
             scales.index_copy_(0, self.write_slots, scale)
-            got = dequantize_kv(pool.index_select(0, self._flat_slots), scales.index_select(0, self._flat_slots),
-                                self.dtype)
+            gathered = pool.index_select(0, self._flat_slots).view(codes.dtype)
+            got = dequantize_kv(gathered, scales.index_select(0, self._flat_slots), self.dtype)
             out.append(got.view(shape).transpose(1, 2))  # [B, Hkv, L, D]
         return out[0], out[1]
 
@@ -233,7 +234,7 @@ class ModelRunner:
         self.scratch_slot = num_blocks * block_size
         shape = (num_blocks * block_size + 1, cfg.num_kv_heads, cfg.head_dim)
         self.kv_format = kv_format_of(kv_cache_dtype)
-        pool_dtype = KV_FORMATS[self.kv_format][0] if self.kv_format else self.dtype
+        pool_dtype = (torch.int8 if self.kv_format == "int8" else torch.uint8) if self.kv_format else self.dtype
         self.k_pools = [torch.zeros(shape, dtype=pool_dtype, device=self.device) for _ in range(cfg.num_layers)]
         self.v_pools = [torch.zeros(shape, dtype=pool_dtype, device=self.device) for _ in range(cfg.num_layers)]
         self.scale_pools: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None

@@ -29,12 +29,13 @@ def verify(
     """Check a model on a target against the HF reference; localize the first failing op."""
     from rich.console import Console
 
+    from firstlight.core.progress import status
     from firstlight.errors import FirstlightError
     from firstlight.verify.refcache import ReferenceCacheWarning
 
     err = Console(stderr=True)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), status(f"verify {model} on {target}") as _:
             warnings.simplefilter("ignore", ReferenceCacheWarning)  # printed below, one line each
             result = _run(model, target, dtype, prompt_file, new_tokens, ppl_tokens, tolerance, threads, quantization,
                           reference_cache=not no_reference_cache)

@@ -32,7 +32,8 @@ O_WARM = typer.Option(0, help="Warm-up requests, excluded from results.")
 O_WARMS = typer.Option(0.0, "--warmup-s", help="Requests scheduled in the first S seconds are warm-up.")
 O_DUR = typer.Option(None, "--duration", help="Stop issuing requests after this many seconds.")
 O_RESET = typer.Option(False, "--reset-prefix-cache", help="POST /reset_prefix_cache before the run.")
-O_SLO = typer.Option(None, help="e.g. ttft=200,tpot=50,e2e=5s (ms unless suffixed): enables goodput.")
+O_SLO = typer.Option(None, help="e.g. ttft=200,tpot=50,e2e=5s (milliseconds unless suffixed with ms or s, as in "
+                     "`firstlight sim`): enables goodput.")
 O_BACKEND = typer.Option("raw", help="Client: raw (asyncio, default, fastest) or httpx.")
 O_EOS = typer.Option(True, "--ignore-eos/--no-ignore-eos", help="Send ignore_eos so outputs have the asked length.")
 O_CUSAGE = typer.Option(True, "--continuous-usage/--no-continuous-usage",
@@ -251,11 +252,14 @@ def calibrate(
 @app.command("reference-server")
 def reference_server(
     port: int = typer.Option(8001, help="Port on 127.0.0.1."),
-    first_token_ms: float = typer.Option(10.0), per_token_ms: float = typer.Option(2.0),
-    tokens_per_chunk: int = typer.Option(1), default_max_tokens: int = typer.Option(16),
+    first_token_ms: float = typer.Option(10.0, help="Injected time to first token, ms."),
+    per_token_ms: float = typer.Option(2.0, help="Injected time per further token, ms."),
+    tokens_per_chunk: int = typer.Option(1, help="Tokens per streamed chunk."),
+    default_max_tokens: int = typer.Option(16, help="Output tokens when a request gives no max_tokens."),
     error_rate: float = typer.Option(0.0, help="Fraction of requests answered with --error-status."),
-    error_status: int = typer.Option(500), early_close_rate: float = typer.Option(0.0, help="Fraction of streams cut."),
-    seed: int = typer.Option(0),
+    error_status: int = typer.Option(500, help="HTTP status of the injected errors."),
+    early_close_rate: float = typer.Option(0.0, help="Fraction of streams cut."),
+    seed: int = typer.Option(0, help="Seed of the injected errors and cuts."),
 ) -> None:
     """Serve the reference OpenAI-compatible server with exact injected delays (foreground)."""
     from firstlight.bench.reference import main as ref_main

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from firstlight.bench.client import RequestRecord
-from firstlight.errors import FirstlightError
+from firstlight.core.slo import parse_slo_ms
 
 PERCENTILE_METHOD = "linear"  # numpy's default: Hyndman & Fan type 7, linear between order statistics
 STAT_NAMES = ("mean", "median", "p90", "p95", "p99", "std", "min", "max")
@@ -48,29 +48,10 @@ class SLO:
 
     @staticmethod
     def parse(text: str | None) -> SLO | None:
-        """`ttft=200,tpot=50ms,e2e=2s`: milliseconds unless suffixed with s or ms."""
+        """`ttft=200,tpot=50ms,e2e=2s`: milliseconds unless suffixed with s or ms (firstlight/core/slo.py)."""
         if not text:
             return None
-        vals: dict[str, float] = {}
-        for part in text.split(","):
-            key, sep, raw = part.partition("=")
-            key, raw = key.strip().lower(), raw.strip().lower()
-            if not sep or key not in ("ttft", "tpot", "e2e", "itl"):
-                raise FirstlightError(_slo_help(text, f"unknown or missing key in {part.strip()!r}"))
-            key = "tpot" if key == "itl" else key
-            scale = 1.0
-            if raw.endswith("ms"):
-                raw = raw[:-2]
-            elif raw.endswith("s"):
-                raw, scale = raw[:-1], 1000.0
-            try:
-                v = float(raw) * scale
-            except ValueError:
-                raise FirstlightError(_slo_help(text, f"{raw!r} is not a number")) from None
-            if not v > 0:
-                raise FirstlightError(_slo_help(text, f"{key} must be > 0"))
-            vals[f"{key}_ms"] = v
-        return SLO(**vals)
+        return SLO(**{f"{k}_ms": v for k, v in parse_slo_ms(text).items()})
 
     def met(self, ttft_ms: float, tpot_ms: float | None, e2e_ms: float) -> bool:
         return ((self.ttft_ms is None or ttft_ms <= self.ttft_ms)
@@ -79,11 +60,6 @@ class SLO:
 
     def __str__(self) -> str:
         return ",".join(f"{k[:-3]}={v:g}ms" for k, v in vars(self).items() if v is not None)
-
-
-def _slo_help(text: str, why: str) -> str:
-    return (f"--slo {text!r} does not parse ({why}): expected comma-separated key=value with keys ttft, tpot, "
-            "e2e and values in ms (or with an s/ms suffix), e.g. --slo ttft=200,tpot=50,e2e=5s.")
 
 
 def assign_chunk_tokens(rec: RequestRecord, tok: Any = None) -> str:

@@ -11,6 +11,36 @@ app = typer.Typer(help="Predict performance: op costs, collectives, parallelism,
 
 HW = typer.Option("h100", "--hw", help="builtin spec name (see `firstlight sim specs`) or a spec YAML path")
 MODEL = typer.Option("llama-3.1-8b", "--model", help="config.json path, checkpoint dir, or preset name")
+TP = typer.Option(1, help="tensor-parallel degree")
+PP = typer.Option(1, help="pipeline-parallel degree (stages)")
+EP = typer.Option(1, help="expert-parallel degree (MoE models)")
+MAX_BATCHED = typer.Option(8192, help="most tokens computed per step (chunked prefill)")
+MAX_SEQS = typer.Option(256, help="most requests running at once")
+NUM_REQUESTS = typer.Option(1000, help="requests to simulate")
+PROMPT_LEN = typer.Option(512, help="mean prompt tokens")
+OUTPUT_LEN = typer.Option(128, help="mean output tokens")
+LEN_DIST = typer.Option("fixed", help="length distribution: fixed | uniform (+-50%) | exponential")
+SEED = typer.Option(0, help="seed of arrivals and lengths")
+SLO = typer.Option("ttft=2s,tpot=100ms", help="p90 SLOs, as in `firstlight bench`: ttft=500ms,tpot=50 "
+                   "(milliseconds unless suffixed with ms or s)")
+# arrival names as in `firstlight bench --arrival`; the simulator's registry calls constant "uniform"
+ARRIVAL_NAMES = {"poisson": "poisson", "gamma": "gamma", "constant": "uniform", "uniform": "uniform"}
+
+
+def _slo_seconds(text: str) -> tuple[float, float]:
+    """(ttft, tpot) in seconds from the shared --slo syntax (firstlight/core/slo.py)."""
+    from firstlight.core.slo import parse_slo_ms
+
+    ms = {"ttft": 2000.0, "tpot": 100.0, **parse_slo_ms(text, ("ttft", "tpot"))}
+    return ms["ttft"] / 1e3, ms["tpot"] / 1e3
+
+
+def _arrival(name: str) -> str:
+    from firstlight.errors import FirstlightError
+
+    if name not in ARRIVAL_NAMES:
+        raise FirstlightError(f"--arrival {name!r}: expected poisson, gamma or constant")
+    return ARRIVAL_NAMES[name]
 
 
 def _print_json(obj: object) -> None:
@@ -71,8 +101,9 @@ def model(config: str = typer.Argument(..., help="config.json, checkpoint dir or
 
 
 @app.command()
-def fit(hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1, ep: int = 1,
-        max_num_batched_tokens: int = 8192, max_num_seqs: int = 256, memory_utilization: float = 0.9) -> None:
+def fit(hw: str = HW, model_name: str = MODEL, tp: int = TP, pp: int = PP, ep: int = EP,
+        max_num_batched_tokens: int = MAX_BATCHED, max_num_seqs: int = MAX_SEQS,
+        memory_utilization: float = typer.Option(0.9, help="fraction of device memory the engine may use")) -> None:
     """Does the model fit on the devices? Weights, activations, KV capacity per device."""
     from firstlight.core.hardware import load_spec
     from firstlight.sim.model import load_model
@@ -84,7 +115,7 @@ def fit(hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1, ep: int
 
 
 @app.command()
-def step(hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1, ep: int = 1,
+def step(hw: str = HW, model_name: str = MODEL, tp: int = TP, pp: int = PP, ep: int = EP,
          batch: str = typer.Option("decode:32@1024", help="decode:N@CTX, prefill:TOKENS[@CACHED], comma-separated"),
          batch_json: Path | None = typer.Option(None, help="a Batch as JSON (core.Batch.to_dict)")) -> None:
     """Predicted time of one engine step, op by op, with the roofline bound of each."""
@@ -110,8 +141,12 @@ def step(hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1, ep: in
 @app.command()
 def collective(op: str = typer.Option("all_reduce", help="all_reduce | all_gather | reduce_scatter | all_to_all"),
                size: str = typer.Option("1GB", help="bytes per rank, e.g. 64KB, 1GB"),
-               ranks: int = 8, algorithm: str = "ring", topology: str = typer.Option("switch", help="switch, full_mesh, ring, torus2d, torus3d, fat_tree"),
-               hw: str = HW, bandwidth_gbps: float | None = None, latency_us: float | None = None) -> None:
+               ranks: int = typer.Option(8, help="ranks taking part"),
+               algorithm: str = typer.Option("ring", help="collective algorithm (see sim/collectives/)"),
+               topology: str = typer.Option("switch", help="switch, full_mesh, ring, torus2d, torus3d, fat_tree"),
+               hw: str = HW,
+               bandwidth_gbps: float | None = typer.Option(None, help="link bandwidth, GB/s (default: the spec's)"),
+               latency_us: float | None = typer.Option(None, help="link latency, us (default: the spec's)")) -> None:
     """Time and bus bandwidth of a collective: alpha-beta closed form and routed over the topology."""
     from firstlight.core.hardware import load_spec
     from firstlight.sim.collectives import bus_bandwidth_factor, get_algorithm, route_steps
@@ -155,16 +190,19 @@ def _parse_size(s: str) -> float:
 
 
 @app.command()
-def serve(hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1, ep: int = 1,
+def serve(hw: str = HW, model_name: str = MODEL, tp: int = TP, pp: int = PP, ep: int = EP,
           replicas: int = typer.Option(1, help="data-parallel replicas behind the router"),
           prefill_replicas: int = typer.Option(0, help="> 0: prefill/decode disaggregation"),
-          decode_replicas: int = 0,
-          rate: float = typer.Option(4.0, help="requests per second"), num_requests: int = 1000,
-          arrival: str = typer.Option("poisson", help="poisson | gamma | uniform"), cv: float = 1.0,
+          decode_replicas: int = typer.Option(0, help="with --prefill-replicas: decode replicas"),
+          rate: float = typer.Option(4.0, help="requests per second"), num_requests: int = NUM_REQUESTS,
+          arrival: str = typer.Option("poisson", help="poisson | gamma | constant (as `firstlight bench --arrival`)"),
+          cv: float = typer.Option(1.0, help="gamma arrivals: coefficient of variation (1 = Poisson)"),
           trace: Path | None = typer.Option(None, help="JSONL/CSV with arrival_s,num_prompt_tokens,num_output_tokens"),
-          prompt_len: int = 512, output_len: int = 128, len_dist: str = "fixed",
-          max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, block_size: int = 16,
-          router: str = "round_robin", slo_ttft: float = 2.0, slo_tpot: float = 0.1, seed: int = 0,
+          prompt_len: int = PROMPT_LEN, output_len: int = OUTPUT_LEN, len_dist: str = LEN_DIST,
+          max_num_seqs: int = MAX_SEQS, max_num_batched_tokens: int = MAX_BATCHED,
+          block_size: int = typer.Option(16, help="tokens per KV-cache block"),
+          router: str = typer.Option("round_robin", help="how requests are spread over replicas"),
+          slo: str = SLO, seed: int = SEED,
           microbatches: int | None = typer.Option(None, help="pp > 1: micro-batches per step (default: pp)"),
           pipeline_schedule: str = typer.Option("gpipe", help="pp > 1: gpipe (flush each step) | async"),
           out: Path | None = typer.Option(None, help="write a report directory (result.json, PNG plots)")) -> None:
@@ -174,8 +212,9 @@ def serve(hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1, ep: i
     from firstlight.sim.serve import ServeConfig, run_serve, write_serve_report
     from firstlight.sim.workload import load_trace, make_workload
 
-    wl = load_trace(trace) if trace else make_workload(num_requests, rate, prompt_len, output_len, arrival, cv,
-                                                       len_dist, seed)
+    slo_ttft, slo_tpot = _slo_seconds(slo)
+    wl = load_trace(trace) if trace else make_workload(num_requests, rate, prompt_len, output_len, _arrival(arrival),
+                                                       cv, len_dist, seed)
     cfg = ServeConfig(tp=tp, pp=pp, ep=ep, num_replicas=replicas, num_prefill_replicas=prefill_replicas,
                       num_decode_replicas=decode_replicas, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, router=router,
@@ -206,7 +245,7 @@ TRACE = typer.Option(..., "--trace", help="engine trace JSONL (firstlight.core.T
 
 
 @app.command()
-def replay(trace: Path = TRACE, hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1,
+def replay(trace: Path = TRACE, hw: str = HW, model_name: str = MODEL, tp: int = TP, pp: int = PP,
            limit: int = typer.Option(20, help="steps to print (all go to --out)"),
            out: Path | None = typer.Option(None, help="write every step as JSON")) -> None:
     """Re-price every recorded Batch with the cost model: predicted vs measured step time."""
@@ -238,7 +277,7 @@ def replay(trace: Path = TRACE, hw: str = HW, model_name: str = MODEL, tp: int =
 
 
 @app.command()
-def calibrate(trace: Path = TRACE, hw: str = HW, model_name: str = MODEL, tp: int = 1, pp: int = 1,
+def calibrate(trace: Path = TRACE, hw: str = HW, model_name: str = MODEL, tp: int = TP, pp: int = PP,
               out: Path = typer.Option(Path("calibrated.yaml"), help="calibrated spec YAML to write")) -> None:
     """Fit compute/memory efficiency and per-step overhead to a trace's execute_s; write a calibrated spec."""
     from firstlight.core.hardware import load_spec
@@ -265,9 +304,10 @@ def sweep(model_name: str = MODEL,
           tp: str = typer.Option("1,2,4,8", help="comma-separated TP degrees"),
           pp: str = typer.Option("1", help="comma-separated PP degrees"),
           rate: str = typer.Option("4", help="comma-separated request rates (req/s)"),
-          slo: str = typer.Option("ttft=2,tpot=0.1", help="p90 SLOs in seconds: ttft=..,tpot=.."),
-          num_requests: int = 500, prompt_len: int = 512, output_len: int = 128, len_dist: str = "fixed",
-          replicas: int = 1, seed: int = 0,
+          slo: str = SLO,
+          num_requests: int = typer.Option(500, help="requests simulated per point"),
+          prompt_len: int = PROMPT_LEN, output_len: int = OUTPUT_LEN, len_dist: str = LEN_DIST,
+          replicas: int = typer.Option(1, help="data-parallel replicas per point"), seed: int = SEED,
           workers: int | None = typer.Option(None, help="local processes (default: CPU count)"),
           ray: bool = typer.Option(False, "--ray", help="run the points as Ray tasks (needs ray installed)"),
           out: Path | None = typer.Option(None, help="report directory: result.json, Pareto plot, index.html")) -> None:
@@ -280,12 +320,11 @@ def sweep(model_name: str = MODEL,
         best_meeting_slo,
         grid,
         parse_list,
-        parse_slo,
         run_sweep,
         write_sweep_report,
     )
 
-    ttft, tpot = parse_slo(slo)
+    ttft, tpot = _slo_seconds(slo)
     points = grid(parse_list(hw, str, "--hw"), parse_list(tp, int, "--tp"), parse_list(pp, int, "--pp"),
                   parse_list(rate, float, "--rate"))
     spec = SweepSpec(model_name, num_requests, prompt_len, output_len, len_dist=len_dist, seed=seed,

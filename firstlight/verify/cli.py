@@ -22,9 +22,10 @@ def verify(
     tolerance: Path | None = typer.Option(None, help="JSON tolerance overrides (see docs/VERIFY.md)."),
     threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
     quantization: str = typer.Option("none", help="Quantize our model first: none, int8, int4, fp8."),
-    no_reference_cache: bool = typer.Option(
-        False, "--no-reference-cache",
-        help="Regenerate the reference's greedy continuation instead of reusing $FIRSTLIGHT_HOME/verify-cache."),
+    reference_cache: bool = typer.Option(
+        True, "--reference-cache/--no-reference-cache",
+        help="Reuse the reference's greedy continuation from $FIRSTLIGHT_HOME/verify-cache (--no-reference-cache "
+             "regenerates it)."),
 ) -> None:
     """Check a model on a target against the HF reference; localize the first failing op."""
     from rich.console import Console
@@ -38,7 +39,7 @@ def verify(
         with warnings.catch_warnings(), status(f"verify {model} on {target}") as _:
             warnings.simplefilter("ignore", ReferenceCacheWarning)  # printed below, one line each
             result = _run(model, target, dtype, prompt_file, new_tokens, ppl_tokens, tolerance, threads, quantization,
-                          reference_cache=not no_reference_cache)
+                          reference_cache=reference_cache)
     except FirstlightError as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2) from None

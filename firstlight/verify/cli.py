@@ -12,7 +12,8 @@ import typer
 
 def verify(
     model: str = typer.Option("smollm2-135m", help="Model name or checkpoint dir."),
-    target: str = typer.Option("eager", help="eager | inductor | onnxruntime | faulty:k=v,... | path/to/file.py:ClassName"),
+    target: str = typer.Option("eager", help="eager | inductor | onnxruntime | faulty:k=v,... | path/to/file.py:ClassName "
+                               "(a plugin file is imported and run as Python code: only pass files you trust)."),
     dtype: str = typer.Option("float32", help="Target dtype: float32, bfloat16, float16."),
     prompt_file: Path | None = typer.Option(None, help="Text file with the prompt (default: a built-in sentence)."),
     out: Path | None = typer.Option(None, help="Write result.json and index.html here."),

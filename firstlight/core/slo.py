@@ -17,7 +17,7 @@ def parse_slo_ms(text: str, allowed: tuple[str, ...] = SLO_KEYS) -> dict[str, fl
     vals: dict[str, float] = {}
     for part in (p.strip() for p in text.split(",")):
         if not part:
-            continue
+            raise FirstlightError(_help(text, allowed, "an empty item"))
         sep = "=" if "=" in part else ":"
         key, found, raw = part.partition(sep)
         key, raw = key.strip().lower(), raw.strip().lower()

@@ -329,7 +329,10 @@ def sweep(model_name: str = MODEL,
                   parse_list(rate, float, "--rate"))
     spec = SweepSpec(model_name, num_requests, prompt_len, output_len, len_dist=len_dist, seed=seed,
                      num_replicas=replicas, slo_ttft_s=ttft, slo_tpot_s=tpot)
-    rows = run_sweep(points, spec, workers, ray)
+    from firstlight.core.progress import status
+
+    with status(f"sim sweep: {len(points)} points"):  # a per-point bar needs a callback in sim/sweep.py
+        rows = run_sweep(points, spec, workers, ray)
     t = Table("hw", "tp", "pp", "rate", "devices", "p90 TTFT s", "p90 TPOT ms", "out tok/s", "$/1M out", "SLO",
               title=f"{model_name}: {len(rows)} points")
     for r in rows:

@@ -62,3 +62,9 @@ def test_slo_units_and_arrival_names_are_the_same_in_bench_and_sim() -> None:
         assert (b.ttft_ms, b.tpot_ms) == (500.0, 50.0)
         assert _slo_seconds(text) == (0.5, 0.05)
     assert set(ARRIVALS) <= set(ARRIVAL_NAMES)
+
+
+def test_serve_reads_the_api_key_from_the_environment() -> None:
+    root = typer.main.get_command(app)
+    opt = next(p for p in root.commands["serve"].params if p.name == "api_key")
+    assert opt.envvar == "FIRSTLIGHT_API_KEY"

@@ -194,11 +194,17 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._num_requests = 0
+        self._header_timer: asyncio.TimerHandle | None = None
         self._arm_header_timer()
 
     def _arm_header_timer(self) -> None:
-        armed_at = self._num_requests
-        self.loop.call_later(self.header_timeout_s, self._header_deadline, armed_at)
+        self._cancel_header_timer()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_deadline, self._num_requests)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
 
     def _header_deadline(self, armed_at: int) -> None:
         # no request's headers completed since the timer was armed, and none is being served
@@ -212,13 +218,18 @@ class GuardedH11Protocol(H11Protocol):
     def handle_events(self) -> None:
         before = self.cycle
         super().handle_events()
-        if self.cycle is not before:
+        if self.cycle is not before:  # a request's headers are complete: its deadline is met
             self._num_requests += 1
+            self._cancel_header_timer()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing():
+        if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
             self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
 
 
 class _suppress_h11:

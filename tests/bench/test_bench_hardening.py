@@ -28,6 +28,15 @@ def _bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]
                           timeout=timeout)
 
 
+def _completed(url: str) -> int:
+    import httpx
+
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("reference_completed_total"):
+            return int(line.split()[1])
+    return 0
+
+
 def test_all_requests_failed_exits_nonzero(tmp_path) -> None:
     with reference_server(ReferenceConfig(error_rate=1.0, error_status=503)) as url:
         p = _bench("run", "--url", url, "--out", str(tmp_path / "o"), "--num-requests", "6", "--input-len", "8",
@@ -45,7 +54,10 @@ def test_signal_writes_finished_requests_marked_partial(tmp_path, sig, code) -> 
                                  str(out), "--num-requests", "1000", "--concurrency", "2", "--input-len", "8",
                                  "--output-len", "20", "--no-plots"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
-        time.sleep(4)  # a few requests finish
+        deadline = time.monotonic() + 120
+        while _completed(url) < 3 and time.monotonic() < deadline:  # a few requests finish (load-independent)
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
         proc.send_signal(sig)
         stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == code, stdout + stderr

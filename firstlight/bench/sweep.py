@@ -134,7 +134,14 @@ class Sweep:
             cfg.load.rate = float(value)
         self.log(f"[{srv.label}] {self.spec.mode}={_fmt(value)} ({source}) ...")
         res = run_benchmark(cfg, server_info=copy.deepcopy(info))
-        write_run(self.out / "points" / f"{srv.label}_{self.spec.mode}_{_fmt(value)}", res, plots=True)
+        point_dir = self.out / "points" / f"{srv.label}_{self.spec.mode}_{_fmt(value)}"
+        write_run(point_dir, res, plots=not res.partial)
+        if res.partial:  # not a finished point: kept on disk, not in points.jsonl, so a resume runs it again
+            err = FirstlightError(f"sweep interrupted by {res.output.interrupted_by} during {srv.label} "
+                                  f"{self.spec.mode}={_fmt(value)} (its partial run is in {point_dir}); the "
+                                  f"finished points are in {self.points_path}: rerun the same command to resume.")
+            err.exit_code = 130 if res.output.interrupted_by == "SIGINT" else 143
+            raise err
         row = _point_row(srv.label, srv.url, self.spec.mode, float(value), res.summary, srv.usd_per_hour, source)
         rec = {**row, "metrics": res.summary, "model": cfg.model}
         with self.points_path.open("a") as f:

@@ -202,3 +202,28 @@ def test_sweep_plots_label_each_point_with_its_load() -> None:
         assert {"c=1", "c=4", "c=16"} <= texts, (name, texts)
     rows = [{**r, "mode": "rate", "load": r["load"] / 2} for r in rows]
     assert {"r=0.5", "r=2", "r=8"} <= {t.get_text() for ax in sweep_figures(rows)["pareto"].axes for t in ax.texts}
+
+
+def test_interrupted_sweep_point_is_not_recorded_as_finished(tmp_path, monkeypatch) -> None:
+    from firstlight.bench import sweep as sweep_mod
+    from firstlight.bench.sweep import Sweep, SweepSpec, parse_servers
+
+    real = sweep_mod.run_benchmark
+
+    def interrupted_at_4(cfg, **kw):
+        res = real(cfg, **kw)
+        if cfg.load.concurrency == 4:
+            res.output.interrupted_by = "SIGINT"  # as if Ctrl-C came during this point
+        return res
+
+    with reference_server(ReferenceConfig(first_token_ms=2, per_token_ms=1)) as url:
+        spec = SweepSpec(servers=parse_servers([url], None, None), mode="concurrency", values=[1, 4],
+                         base=make_cfg("", n=4, c=1, out="3"), search=False)
+        monkeypatch.setattr(sweep_mod, "run_benchmark", interrupted_at_4)
+        with pytest.raises(FirstlightError, match="rerun the same command to resume") as e:
+            Sweep(spec, tmp_path, log=lambda s: None).run()
+        assert e.value.exit_code == 130
+        assert [json.loads(x)["load"] for x in (tmp_path / "points.jsonl").read_text().splitlines()] == [1.0]
+        monkeypatch.setattr(sweep_mod, "run_benchmark", real)
+        res = Sweep(spec, tmp_path, log=lambda s: None).run()  # the resume runs the cut point again
+    assert [p["load"] for p in res["points"]] == [1.0, 4.0]

@@ -61,7 +61,7 @@ def test_parse_errors_and_missing_ray(monkeypatch):
 
 def test_cli_sweep_writes_report(tmp_path):
     r = CliRunner().invoke(app, ["sweep", "--model", "llama-3.1-8b", "--hw", "h100,a100", "--tp", "1,2",
-                                 "--rate", "4", "--num-requests", "60", "--slo", "ttft=2,tpot=0.05",
+                                 "--rate", "4", "--num-requests", "60", "--slo", "ttft=2s,tpot=50ms",
                                  "--workers", "1", "--out", str(tmp_path / "rep")])
     assert r.exit_code == 0, r.output
     assert "best meeting" in r.output

@@ -7,8 +7,8 @@ responses notice through cancellation of the SSE generator, non-streaming ones t
 that listens for `http.disconnect` (the pattern vLLM uses).
 
 Safe to expose (docs/SERVING.md, "Exposing the server"): the limits, the API key, the Host
-allow-list and the slow-client timeouts live in `server_guard.py`; here, tokenization and chat
-templating run in a worker thread (a 1 MB prompt does not stall other streams or /health), text the
+allow-list and the slow-client timeouts live in `server_guard.py`; prompts are tokenized and chat
+templates applied by `prompts.py`, in a worker thread (a 1 MB prompt does not stall other streams or /health), text the
 tokenizer rejects is a 400, every request has a time limit, and a 500 never carries internal
 exception text (it is logged, with its traceback, under an id the client gets).
 """
@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from firstlight.engine.async_engine import AsyncLLM
 from firstlight.engine.engine import RequestOutput
+from firstlight.engine.prompts import BadRequest, PromptTokenizer
 from firstlight.engine.protocol import ChatCompletionRequest, CompletionRequest, ResetPrefixCacheRequest
 from firstlight.engine.request import SamplingParams
 from firstlight.engine.sampler import TokenLogprobs
@@ -55,12 +56,6 @@ def internal_error(exc: BaseException | None = None) -> JSONResponse:
     eid = uuid.uuid4().hex[:12]
     log.error("internal error %s", eid, exc_info=exc)
     return error_response(f"internal server error (id {eid}; the server log has the details)", 500)
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.param, self.code = param, code
 
 
 async def with_disconnect(request: Request, coro: Awaitable[Response]) -> Response | None:
@@ -91,6 +86,7 @@ class OpenAIServing:
         self.limits = limits or ServerLimits()
         self.engine = llm.engine
         self.tokenizer = llm.engine.tokenizer
+        self.prompts = PromptTokenizer(self.tokenizer, escape_special_tokens=self.limits.escape_special_tokens)
         self.created = int(time.time())
 
     def check_model(self, name: str | None) -> None:
@@ -155,24 +151,6 @@ class OpenAIServing:
                 param="prompt",
             )
 
-    def _encode(self, text: str, param: str, add_special_tokens: bool = True, split_special: bool = False) -> list[int]:
-        """Token ids of `text`; text the tokenizer rejects is the client's error, not ours."""
-        if self.tokenizer is None:
-            raise BadRequest("this server has no tokenizer; send token ids", param=param)
-        try:
-            kw = {"split_special_tokens": True} if split_special else {}
-            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens, **kw))
-        except (ValueError, TypeError, UnicodeError, OverflowError) as e:
-            raise BadRequest(f"{param}: the tokenizer rejected this text ({type(e).__name__}); send valid UTF-8 "
-                             "text", param=param) from None
-        except Exception as e:  # tokenizers' Rust errors (PanicException is a BaseException subclass elsewhere)
-            log.warning("tokenizer failed on %s: %s", param, e)
-            raise BadRequest(f"{param}: the tokenizer could not encode this text", param=param) from None
-
-    def tokenize_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
-        """Runs in a worker thread (see `completions`)."""
-        return [self._encode(p, "prompt") if isinstance(p, str) else list(p) for p in prompts]
-
     def _deadline(self) -> float:
         return asyncio.get_running_loop().time() + self.limits.request_timeout_s
 
@@ -195,8 +173,8 @@ class OpenAIServing:
         self.check_num_prompts(len(raw_prompts))
         deadline = self._deadline()
         # off the event loop: a 1 MB prompt takes the tokenizer a while, and other streams keep going
-        prompts = await asyncio.to_thread(self.tokenize_prompts, raw_prompts)
-        self._check_stop(req)
+        prompts = await asyncio.to_thread(self.prompts.tokenize_prompts, raw_prompts)
+        self.prompts.check_stop(req.stop)
         params = [req.sampling_params(self.max_tokens(len(ids), req.max_tokens), req.logprobs) for ids in prompts]
         base_id = f"cmpl-{uuid.uuid4().hex}"
         rids = self._add_all(base_id, prompts, params)
@@ -209,11 +187,6 @@ class OpenAIServing:
         finally:
             timer.cancel()
         return resp if resp is not None else Response(status_code=499)
-
-    def _check_stop(self, req: CompletionRequest | ChatCompletionRequest) -> None:
-        stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-        for s in stops:  # the detokenizer matches text, but a stop the tokenizer cannot encode is suspect
-            self._encode(s, "stop", add_special_tokens=False)
 
     def _add_all(self, base_id: str, prompts: list[list[int]], params: list[SamplingParams]) -> list[str]:
         rids = []
@@ -342,51 +315,12 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     # ---- chat ------------------------------------------------------------------------------
-    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        """Token ids of the templated conversation (runs in a worker thread).
-
-        By default, text in a message that spells a special token (`<|im_end|>`) becomes that
-        token, as in vLLM and HF `apply_chat_template(tokenize=True)`: a user can close their own
-        turn and write one for another role. With `escape_special_tokens` (serve
-        --chat-escape-special-tokens) message contents are tokenized as plain text instead: the
-        template is rendered with a placeholder per message, the template's own text is tokenized
-        with special tokens and each content with `split_special_tokens=True`.
-        """
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise BadRequest("this model's tokenizer has no chat template; use /v1/completions", param="messages")
-        contents = [m.text() for m in req.messages]
-        if not self.limits.escape_special_tokens:
-            messages = [{"role": m.role, "content": c} for m, c in zip(req.messages, contents, strict=True)]
-            text = self._template(messages, req.add_generation_prompt)
-            return self._encode(text, "messages", add_special_tokens=False)
-        marks = [f"\x00FLMSG{i}-{uuid.uuid4().hex[:8]}\x00" for i in range(len(contents))]
-        messages = [{"role": m.role, "content": mk} for m, mk in zip(req.messages, marks, strict=True)]
-        text = self._template(messages, req.add_generation_prompt)
-        ids: list[int] = []
-        for mark, content in zip(marks, contents, strict=True):
-            head, found, text = text.partition(mark)
-            if not found or mark in text:
-                raise BadRequest("this model's chat template does not place each message's content verbatim, so "
-                                 "special tokens in it cannot be escaped (--chat-escape-special-tokens)",
-                                 param="messages")
-            ids += self._encode(head, "messages", add_special_tokens=False) if head else []
-            ids += self._encode(content, "messages", add_special_tokens=False, split_special=True) if content else []
-        return ids + (self._encode(text, "messages", add_special_tokens=False) if text else [])
-
-    def _template(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-        try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False)
-        except Exception as e:  # jinja2 errors raised by the template itself (e.g. "roles must alternate")
-            raise BadRequest(f"messages: the chat template rejected this conversation ({e})"[:400],
-                             param="messages") from None
-
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         self.check_speculation(req.num_speculative_tokens)
         deadline = self._deadline()
-        ids = await asyncio.to_thread(self.chat_prompt, req)
-        self._check_stop(req)
+        ids = await asyncio.to_thread(self.prompts.chat_prompt, req.messages, req.add_generation_prompt)
+        self.prompts.check_stop(req.stop)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         n_lp = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs and not req.logprobs:

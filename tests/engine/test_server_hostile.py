@@ -358,15 +358,12 @@ def test_chat_special_tokens_in_content_escaped_on_request(tiny) -> None:
     with running_server(model, tok, limits=limits, num_blocks=64, block_size=4, max_model_len=128) as (url, _):
         n_escaped = num_prompt_tokens(url)
     assert n_escaped > n_plain  # the markup was spelled out in ordinary tokens
+    from firstlight.engine.prompts import PromptTokenizer
     from firstlight.engine.protocol import ChatCompletionRequest
-    from firstlight.engine.server import OpenAIServing
-
-    class _Llm:
-        engine = type("E", (), {"tokenizer": tok})()
 
     req = ChatCompletionRequest.model_validate({"messages": msgs})
-    default = OpenAIServing(_Llm(), "t").chat_prompt(req)  # type: ignore[arg-type]
-    escaped = OpenAIServing(_Llm(), "t", limits).chat_prompt(req)  # type: ignore[arg-type]
+    default = PromptTokenizer(tok).chat_prompt(req.messages)
+    escaped = PromptTokenizer(tok, escape_special_tokens=True).chat_prompt(req.messages)
     # the template's own <|im_end|> (one per message) survives; the one typed by the user does not
     assert default.count(im_end) == 2 and escaped.count(im_end) == 1
     assert len(default) == n_plain and len(escaped) == n_escaped

@@ -7,6 +7,7 @@ import heavy libraries (torch, transformers) inside the commands, so `firstlight
 from __future__ import annotations
 
 import sys
+import traceback
 
 import typer
 from rich.console import Console
@@ -31,6 +32,15 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+_DEBUG = {"on": False}
+
+
+@app.callback()
+def _global(debug: bool = typer.Option(False, "--debug", help="Show the full traceback of an error.")) -> None:
+    """Bring large language models up on new hardware: run, verify, serve, benchmark, simulate."""
+    _DEBUG["on"] = debug
+
+
 app.add_typer(models_app, name="models")
 app.command()(generate)
 app.command()(verify)
@@ -45,14 +55,25 @@ app.add_typer(train_app, name="train")
 
 
 def main() -> None:
-    """Entry point: runs the app and turns user-facing errors into one line and an exit code."""
+    """Entry point: runs the app and turns errors into one line and an exit code (1), with the
+    traceback only under `firstlight --debug ...`."""
+    debug = "--debug" in sys.argv[1:2] or _DEBUG["on"]
     try:
-        app()
+        app()  # typer handles usage errors itself (message, exit 2)
     except FirstlightError as e:
+        if debug or _DEBUG["on"]:
+            traceback.print_exc()
         Console(stderr=True).print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
+    except Exception as e:
+        if debug or _DEBUG["on"]:
+            traceback.print_exc()
+        Console(stderr=True).print(f"[bold red]error:[/] unexpected {type(e).__name__}: {e} (a bug: rerun with "
+                                   "`firstlight --debug ...` for the traceback and report it)", highlight=False,
+                                   soft_wrap=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

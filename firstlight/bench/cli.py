@@ -32,13 +32,16 @@ O_WARM = typer.Option(0, help="Warm-up requests, excluded from results.")
 O_WARMS = typer.Option(0.0, "--warmup-s", help="Requests scheduled in the first S seconds are warm-up.")
 O_DUR = typer.Option(None, "--duration", help="Stop issuing requests after this many seconds.")
 O_RESET = typer.Option(False, "--reset-prefix-cache", help="POST /reset_prefix_cache before the run.")
-O_SLO = typer.Option(None, help="e.g. ttft=200,tpot=50,e2e=5s (ms unless suffixed): enables goodput.")
+O_SLO = typer.Option(None, help="e.g. ttft=200,tpot=50,e2e=5s (milliseconds unless suffixed with ms or s, as in "
+                     "`firstlight sim`): enables goodput.")
 O_BACKEND = typer.Option("raw", help="Client: raw (asyncio, default, fastest) or httpx.")
 O_EOS = typer.Option(True, "--ignore-eos/--no-ignore-eos", help="Send ignore_eos so outputs have the asked length.")
 O_CUSAGE = typer.Option(True, "--continuous-usage/--no-continuous-usage",
                         help="Ask for usage in every chunk (stream_options.continuous_usage_stats).")
 O_TIMEOUT = typer.Option(600.0, "--timeout", help="Per-request timeout in seconds.")
 O_EXTRA = typer.Option(None, help="JSON merged into every request body, e.g. '{\"temperature\": 0}'.")
+O_APIKEY = typer.Option(None, envvar="FIRSTLIGHT_API_KEY", show_envvar=True,
+                        help="Bearer token for the server (firstlight serve --api-key, vLLM --api-key).")
 
 
 def _workload(kind: str, input_len: str, output_len: str, prompts: Path | None, num_groups: int, prefix_len: int,
@@ -82,10 +85,13 @@ def run(
     warmup_requests: int = O_WARM, warmup_s: float = O_WARMS, duration_s: float | None = O_DUR,
     reset_prefix_cache: bool = O_RESET, slo: str | None = O_SLO, backend: str = O_BACKEND,
     ignore_eos: bool = O_EOS, continuous_usage: bool = O_CUSAGE, timeout_s: float = O_TIMEOUT,
-    extra_body: str | None = O_EXTRA,
+    extra_body: str | None = O_EXTRA, api_key: str | None = O_APIKEY,
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Write PNG plots."),
 ) -> None:
-    """One load run against one server; prints the metrics (with formulas in result.json)."""
+    """One load run against one server; prints the metrics (with formulas in result.json).
+
+    Exit 1 when every measured request failed; on SIGINT/SIGTERM the finished requests are written and
+    result.json is marked partial (exit 130 / 143)."""
     from rich.console import Console
 
     from firstlight.bench.load import LoadSpec
@@ -103,12 +109,28 @@ def run(
                                                 num_turns, tokenizer, seed, cache_bust),
                     load=load, endpoint=endpoint, model=model, label=label, slo=slo, backend=backend,
                     reset_prefix_cache=reset_prefix_cache, ignore_eos=ignore_eos, continuous_usage=continuous_usage,
-                    extra_body=_extra(extra_body), request_timeout_s=timeout_s)
-    res = run_benchmark(cfg)
+                    extra_body=_extra(extra_body), request_timeout_s=timeout_s, api_key=api_key)
+    from firstlight.core.progress import progress
+    from firstlight.errors import FirstlightError
+
+    total = (warmup_requests + num_requests) if num_requests > 0 else None
+    with progress("bench run", total=total, unit="requests") as advance:
+        res = run_benchmark(cfg, progress=advance)
     write_run(out, res, plots=plots)
     con = Console()
+    err = Console(stderr=True)
     con.print(_summary_text(res.result_json()), highlight=False)
-    con.print(f"wrote {out}/result.json, requests.jsonl, index.html", highlight=False)
+    con.print(f"wrote {out}/result.json, result.vllm.json, requests.jsonl, index.html", highlight=False)
+    for note in res.notes:
+        err.print(f"[yellow]note:[/] {note}", highlight=False)
+    if res.partial:
+        err.print(f"[yellow]interrupted by {res.output.interrupted_by}:[/] wrote the {res.summary.get('num_ok', 0)} "
+                  f"finished requests; {out}/result.json is marked partial", highlight=False)
+        raise typer.Exit(130 if res.output.interrupted_by == "SIGINT" else 143)
+    if res.all_failed:
+        m = res.summary
+        raise FirstlightError(f"all {m['num_requests']} measured requests failed ({m['errors_by_kind']}); results "
+                              f"are in {out}, see requests.jsonl for each error.")
 
 
 @app.command()
@@ -131,9 +153,11 @@ def sweep(
     warmup_requests: int = O_WARM, warmup_s: float = O_WARMS, duration_s: float | None = O_DUR,
     reset_prefix_cache: bool = O_RESET, slo: str | None = O_SLO, backend: str = O_BACKEND,
     ignore_eos: bool = O_EOS, continuous_usage: bool = O_CUSAGE, timeout_s: float = O_TIMEOUT,
-    extra_body: str | None = O_EXTRA,
+    extra_body: str | None = O_EXTRA, api_key: str | None = O_APIKEY,
 ) -> None:
-    """Sweep concurrency or rate over one or more servers: CSV, Pareto frontier, SLO search, $/1M tokens."""
+    """Sweep concurrency or rate over one or more servers: CSV, Pareto frontier, SLO search, $/1M tokens.
+
+    Exit 1 when every request of every point failed."""
     from firstlight.bench.load import LoadSpec
     from firstlight.bench.metrics import SLO
     from firstlight.bench.run import RunConfig
@@ -154,10 +178,16 @@ def sweep(
                                                 num_turns, tokenizer, seed, cache_bust),
                      load=load, endpoint=endpoint, model=model, slo=slo, backend=backend,
                      reset_prefix_cache=reset_prefix_cache, ignore_eos=ignore_eos, continuous_usage=continuous_usage,
-                     extra_body=_extra(extra_body), request_timeout_s=timeout_s)
+                     extra_body=_extra(extra_body), request_timeout_s=timeout_s, api_key=api_key)
     spec = SweepSpec(servers=parse_servers(url, label, usd_per_hour), mode=mode, values=values, base=base,
                      search=search, slo_attainment=slo_attainment, max_search_points=max_search_points)
-    result = Sweep(spec, out, resume=resume).run()
+    from firstlight.core.progress import progress
+
+    num_points = len(values) * len(spec.servers) + (max_search_points * len(spec.servers) if slo and search else 0)
+    with progress("bench sweep", total=num_points, unit="points") as advance:
+        result = Sweep(spec, out, resume=resume, on_point=lambda label, value: advance(1)).run()
+    if result["points"] and all(not p.get("num_ok") for p in result["points"]):
+        raise FirstlightError(f"every request of every sweep point failed; see {out}/points/*/requests.jsonl.")
     for lab, s in result["slo_search"].items():
         print(f"{lab}: highest {mode} meeting {s['slo']} (attainment >= {s['slo_attainment_target']}): "
               f"{s['max_load_meeting_slo']} (lowest failing: {s['lowest_failing_load']})")
@@ -172,16 +202,25 @@ def compare(
     resamples: int = typer.Option(2000, help="Bootstrap resamples."),
     seed: int = typer.Option(0, help="Bootstrap seed."),
     json_out: Path | None = typer.Option(None, "--json", help="Also write the comparison here."),
+    allow_different: bool = typer.Option(False, "--allow-different",
+                                         help="Compare runs whose workload or load differ (listed as warnings)."),
 ) -> None:
-    """B - A for latency statistics with bootstrap CIs; marks which differences are significant."""
+    """B - A for latency statistics with bootstrap CIs; marks which differences are significant.
+
+    Refuses runs with different workloads or loads (see --allow-different); a tail statistic with too
+    few requests behind it (p99 < 500, p90 < 50) is never called significant."""
+    import sys
+
     from firstlight.bench.compare import compare_runs
 
-    r = compare_runs(a, b, num_resamples=resamples, confidence=confidence, seed=seed)
+    r = compare_runs(a, b, num_resamples=resamples, confidence=confidence, seed=seed, allow_different=allow_different)
+    for w in r["differences"] + r["warnings"]:
+        print(f"warning: {w}", file=sys.stderr)
     print(f"B - A ({r['method']}; {100 * confidence:g}% CI; n = {r['num_requests']})")
     print(f"{'metric':14s} {'stat':6s} {'A':>10s} {'B':>10s} {'B-A':>10s} {'CI low':>10s} {'CI high':>10s}  significant")
     for x in r["latency"]:
         print(f"{x['metric']:14s} {x['stat']:6s} {x['a']:10.3f} {x['b']:10.3f} {x['diff']:+10.3f} {x['ci_low']:+10.3f} "
-              f"{x['ci_high']:+10.3f}  {'YES' if x['significant'] else 'no'}")
+              f"{x['ci_high']:+10.3f}  {'YES' if x['significant'] else ('n/a (too few)' if x.get('too_few_samples') else 'no')}")
     for x in r["throughput"]:
         print(f"{x['metric']:21s} A={x['a']:.3f} B={x['b']:.3f} B-A={x['diff']:+.3f} ({x['note']})")
     if json_out:
@@ -213,11 +252,14 @@ def calibrate(
 @app.command("reference-server")
 def reference_server(
     port: int = typer.Option(8001, help="Port on 127.0.0.1."),
-    first_token_ms: float = typer.Option(10.0), per_token_ms: float = typer.Option(2.0),
-    tokens_per_chunk: int = typer.Option(1), default_max_tokens: int = typer.Option(16),
+    first_token_ms: float = typer.Option(10.0, help="Injected time to first token, ms."),
+    per_token_ms: float = typer.Option(2.0, help="Injected time per further token, ms."),
+    tokens_per_chunk: int = typer.Option(1, help="Tokens per streamed chunk."),
+    default_max_tokens: int = typer.Option(16, help="Output tokens when a request gives no max_tokens."),
     error_rate: float = typer.Option(0.0, help="Fraction of requests answered with --error-status."),
-    error_status: int = typer.Option(500), early_close_rate: float = typer.Option(0.0, help="Fraction of streams cut."),
-    seed: int = typer.Option(0),
+    error_status: int = typer.Option(500, help="HTTP status of the injected errors."),
+    early_close_rate: float = typer.Option(0.0, help="Fraction of streams cut."),
+    seed: int = typer.Option(0, help="Seed of the injected errors and cuts."),
 ) -> None:
     """Serve the reference OpenAI-compatible server with exact injected delays (foreground)."""
     from firstlight.bench.reference import main as ref_main

@@ -54,6 +54,7 @@ class RequestRecord:
     output_tokens: int | None = None
     usage_prompt_tokens: int | None = None
     usage_completion_tokens: int | None = None
+    finish_reason: str | None = None  # of the (first) choice, once a chunk carried one
     text: str = ""
     _parts: list[str] = field(default_factory=list, repr=False)
 
@@ -101,6 +102,8 @@ def _handle_event(rec: RequestRecord, payload: bytes, t: float) -> bool:
     choices = obj.get("choices")
     if choices:
         c = choices[0]
+        if c.get("finish_reason"):
+            rec.finish_reason = c["finish_reason"]
         delta = c.get("delta")
         text = delta.get("content") if delta is not None else c.get("text")
         if text:
@@ -240,7 +243,10 @@ class _StreamProtocol(asyncio.Protocol):
         elif not self.stream_done and self.sse.strip():  # non-streamed JSON answer
             self._finish("bad_response", "expected an SSE stream, got: " + self.sse[:200].decode("utf-8", "replace"))
         else:
-            self._finish(None if self.stream_done else "early_close", "")
+            # a stream that ends cleanly after a finish_reason chunk is complete without `data: [DONE]`
+            # (servers that omit it exist; the OpenAI spec sends it, but the answer is whole either way)
+            done = self.stream_done or rec.finish_reason is not None
+            self._finish(None if done else "early_close", "")
 
     def _finish(self, error: str | None, detail: str) -> None:
         rec = self.rec
@@ -387,8 +393,8 @@ class HttpxClient:
                         if line.startswith("data:") and _handle_event(rec, line[5:].strip().encode(), t):
                             finished = True
                             break
-                    if not finished and rec.error is None:
-                        rec.error = "early_close"
+                    if not finished and rec.error is None and rec.finish_reason is None:
+                        rec.error = "early_close"  # neither [DONE] nor a finish_reason: cut short
         except httpx.TimeoutException as e:
             rec.error, rec.error_detail = "timeout", str(e)
         except httpx.ConnectError as e:
@@ -459,12 +465,14 @@ def preflight(url: str, *, timeout_s: float = 10.0, api_key: str | None = None) 
     return info
 
 
-def reset_prefix_cache(url: str, *, timeout_s: float = 30.0) -> bool:
-    """POST /reset_prefix_cache; False when the server has no such endpoint."""
+def reset_prefix_cache(url: str, *, timeout_s: float = 30.0, api_key: str | None = None) -> bool:
+    """POST /reset_prefix_cache (a JSON body, as firstlight's and vLLM's servers take); False when the
+    server has no such endpoint."""
     import httpx
 
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        r = httpx.post(_base(url) + "/reset_prefix_cache", timeout=timeout_s)
+        r = httpx.post(_base(url) + "/reset_prefix_cache", json={}, headers=headers, timeout=timeout_s)
     except httpx.HTTPError:
         return False
     return r.status_code < 300

@@ -17,7 +17,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -131,13 +131,31 @@ class LoadSpec:
         return asdict(self)
 
 
+def _refuses_ignore_eos(rec: RequestRecord) -> bool:
+    return rec.error == "http_422" or (rec.error == "http_400" and "ignore_eos" in rec.error_detail)
+
+
+_KEEP = ("index", "session", "turn", "warmup", "t_scheduled", "input_tokens")
+
+
+def _reset(rec: RequestRecord) -> None:
+    """Clear what a failed attempt recorded, keeping who the request is and when it was due."""
+    fresh = RequestRecord(index=rec.index)
+    for f in fields(RequestRecord):
+        if f.name not in _KEEP:
+            setattr(rec, f.name, getattr(fresh, f.name))
+
+
 @dataclass
 class RunOutput:
     records: list[RequestRecord]
     t_start: float
     t_stop: float
-    incomplete: int  # requests cut by the drain timeout (not measured)
+    incomplete: int  # requests cut by the drain timeout or an interrupt (not measured)
     arrival_clock: str = ""  # what a chunk's arrival time is (the client's `arrival_clock`)
+    interrupted_by: str | None = None  # SIGINT / SIGTERM: the run stopped early, its result is partial
+    ignore_eos_refused: bool = False  # the server refused `ignore_eos`; requests went without it
+    notes: list[str] = field(default_factory=list)
 
 
 class Runner:
@@ -157,6 +175,16 @@ class Runner:
         self.progress = progress
         self.trace_rows = read_trace(load.trace) if load.mode == "trace" else []
         self.pregenerated: list[Session] = []
+        self.interrupted_by: str | None = None
+        self.ignore_eos_refused = False
+        self._tasks: list[asyncio.Future] = []
+
+    def interrupt(self, reason: str) -> None:
+        """Stop now (a signal): in-flight requests are cut and recorded as incomplete; finished ones stay."""
+        if self.interrupted_by is None:
+            self.interrupted_by = reason
+        for t in self._tasks:
+            t.cancel()
 
     def _claim(self, t_sched: float) -> RequestRecord | None:
         if self.issued >= self.total or (self.deadline is not None and time.perf_counter() >= self.deadline):
@@ -205,6 +233,13 @@ class Runner:
                 prompt = turn.text
             body = build_body(self.endpoint, self.model, prompt, turn.max_tokens, **self.body_kw)
             await self.client.stream(rec, self.path, body)
+            if body.get("ignore_eos") and _refuses_ignore_eos(rec):
+                # a server without vLLM's extensions: once, without the field (and never again in this run)
+                self.ignore_eos_refused = True
+                self.body_kw["ignore_eos"] = False
+                body.pop("ignore_eos")
+                _reset(rec)
+                await self.client.stream(rec, self.path, body)
             if self.progress:
                 self.progress(1)
             if not rec.ok:
@@ -222,9 +257,13 @@ class Runner:
             tasks = [asyncio.ensure_future(self._worker(w)) for w in range(self.load.concurrency)]
         else:
             tasks = [asyncio.ensure_future(self._open_loop())]
+        self._tasks = tasks
         incomplete = 0
         try:
             await asyncio.gather(*tasks)
+        except asyncio.CancelledError:
+            if self.interrupted_by is None:
+                raise
         finally:
             for t in tasks:
                 t.cancel()
@@ -233,7 +272,12 @@ class Runner:
             if r.t_end == 0.0:
                 r.error, r.t_end = "incomplete", t_stop
                 incomplete += 1
-        return RunOutput(self.records, self.t_start, t_stop, incomplete)
+        notes = []
+        if self.ignore_eos_refused:
+            notes.append("the server refused `ignore_eos` (HTTP 422, or a 400 naming it): each refused request was "
+                         "retried once without it and the rest sent without it, so outputs may stop early at EOS")
+        return RunOutput(self.records, self.t_start, t_stop, incomplete, interrupted_by=self.interrupted_by,
+                         ignore_eos_refused=self.ignore_eos_refused, notes=notes)
 
     async def _worker(self, w: int) -> None:
         if self.load.ramp_up_s > 0:
@@ -258,24 +302,28 @@ class Runner:
     async def _open_loop(self) -> None:
         sem = asyncio.Semaphore(self.load.max_concurrency) if self.load.max_concurrency else None
         pending: set[asyncio.Task] = set()
-        for sessions, off in enumerate(self._offsets()):
-            t = self.t_start + off
-            if self.deadline is not None and t >= self.deadline:
-                break
-            if self.issued >= self.total:
-                break
-            delay = t - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if sem is not None:
-                await sem.acquire()
-            sess = self._session(sessions)
-            task = asyncio.ensure_future(self._guarded(sess, t, sem))
-            pending.add(task)
-            task.add_done_callback(pending.discard)
-            await asyncio.sleep(0)  # let the task claim its request before the bound is checked
-        if pending:
-            await asyncio.wait(pending, timeout=self.load.drain_timeout_s)
+        try:
+            for sessions, off in enumerate(self._offsets()):
+                t = self.t_start + off
+                if self.deadline is not None and t >= self.deadline:
+                    break
+                if self.issued >= self.total:
+                    break
+                delay = t - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if sem is not None:
+                    await sem.acquire()
+                sess = self._session(sessions)
+                task = asyncio.ensure_future(self._guarded(sess, t, sem))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+                await asyncio.sleep(0)  # let the task claim its request before the bound is checked
+            if pending:
+                await asyncio.wait(pending, timeout=self.load.drain_timeout_s)
+        finally:  # drain timeout or interrupt: what is still in flight is cut (recorded as incomplete)
+            for task in list(pending):
+                task.cancel()
 
     async def _guarded(self, sess: Session, t: float, sem: asyncio.Semaphore | None) -> None:
         try:

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from firstlight.bench.client import RequestRecord
-from firstlight.errors import FirstlightError
+from firstlight.core.slo import parse_slo_ms
 
 PERCENTILE_METHOD = "linear"  # numpy's default: Hyndman & Fan type 7, linear between order statistics
 STAT_NAMES = ("mean", "median", "p90", "p95", "p99", "std", "min", "max")
@@ -26,7 +26,8 @@ FORMULAS: dict[str, str] = {
     "e2e_ms": "end of stream ([DONE] or last byte) - request send time",
     "duration_s": "last measured request end - first measured request send (warm-up excluded)",
     "request_throughput": "successful measured requests / duration_s",
-    "input_throughput": "sum(input_tokens of successful requests) / duration_s",
+    "input_throughput": "sum(input_tokens of successful requests) / duration_s; null when any request's count is "
+                        "unknown (no --tokenizer and no usage from the server)",
     "output_throughput": "sum(output_tokens of successful requests) / duration_s",
     "goodput": "successful requests meeting every SLO given (ttft_ms, tpot_ms, e2e_ms <= limit) / duration_s; "
                "a request with 1 output token has no TPOT and meets any TPOT limit",
@@ -47,29 +48,10 @@ class SLO:
 
     @staticmethod
     def parse(text: str | None) -> SLO | None:
-        """`ttft=200,tpot=50ms,e2e=2s`: milliseconds unless suffixed with s or ms."""
+        """`ttft=200,tpot=50ms,e2e=2s`: milliseconds unless suffixed with s or ms (firstlight/core/slo.py)."""
         if not text:
             return None
-        vals: dict[str, float] = {}
-        for part in text.split(","):
-            key, sep, raw = part.partition("=")
-            key, raw = key.strip().lower(), raw.strip().lower()
-            if not sep or key not in ("ttft", "tpot", "e2e", "itl"):
-                raise FirstlightError(_slo_help(text, f"unknown or missing key in {part.strip()!r}"))
-            key = "tpot" if key == "itl" else key
-            scale = 1.0
-            if raw.endswith("ms"):
-                raw = raw[:-2]
-            elif raw.endswith("s"):
-                raw, scale = raw[:-1], 1000.0
-            try:
-                v = float(raw) * scale
-            except ValueError:
-                raise FirstlightError(_slo_help(text, f"{raw!r} is not a number")) from None
-            if not v > 0:
-                raise FirstlightError(_slo_help(text, f"{key} must be > 0"))
-            vals[f"{key}_ms"] = v
-        return SLO(**vals)
+        return SLO(**{f"{k}_ms": v for k, v in parse_slo_ms(text).items()})
 
     def met(self, ttft_ms: float, tpot_ms: float | None, e2e_ms: float) -> bool:
         return ((self.ttft_ms is None or ttft_ms <= self.ttft_ms)
@@ -78,11 +60,6 @@ class SLO:
 
     def __str__(self) -> str:
         return ",".join(f"{k[:-3]}={v:g}ms" for k, v in vars(self).items() if v is not None)
-
-
-def _slo_help(text: str, why: str) -> str:
-    return (f"--slo {text!r} does not parse ({why}): expected comma-separated key=value with keys ttft, tpot, "
-            "e2e and values in ms (or with an s/ms suffix), e.g. --slo ttft=200,tpot=50,e2e=5s.")
 
 
 def assign_chunk_tokens(rec: RequestRecord, tok: Any = None) -> str:
@@ -184,17 +161,21 @@ def summarize(records: list[RequestRecord], slo: SLO | None = None, tok: Any = N
     out["duration_s"] = dur
     if not per:
         return out
-    in_tok = [p["input_tokens"] or 0 for p in per]
+    # an input count is unknown without --tokenizer when the server sends no usage: never count it as 0
+    in_known = [p["input_tokens"] for p in per if p["input_tokens"] is not None]
+    in_complete = len(in_known) == len(per)
     out_tok = [p["output_tokens"] for p in per]
-    out["total_input_tokens"], out["total_output_tokens"] = int(sum(in_tok)), int(sum(out_tok))
+    out["num_input_tokens_unknown"] = len(per) - len(in_known)
+    out["total_input_tokens"] = int(sum(in_known)) if in_complete else None
+    out["total_output_tokens"] = int(sum(out_tok))
     out["request_throughput"] = len(ok) / dur
-    out["input_throughput"] = sum(in_tok) / dur
+    out["input_throughput"] = sum(in_known) / dur if in_complete else None
     out["output_throughput"] = sum(out_tok) / dur
     for name in ("ttft_ms", "tpot_ms", "e2e_ms"):
         out[name] = stats([p[name] for p in per if p[name] is not None])
     out["itl_chunk_ms"] = stats(np.concatenate([p["itl_chunk_ms"] for p in per]))
     out["itl_token_ms"] = stats(np.concatenate([p["itl_token_ms"] for p in per]))
-    out["input_tokens"] = stats(in_tok)
+    out["input_tokens"] = stats(in_known)
     out["output_tokens"] = stats(out_tok)
     med_tpot = out["tpot_ms"]["median"]
     out["tokens_per_s_per_user"] = 1000.0 / med_tpot if med_tpot else None

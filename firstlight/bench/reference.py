@@ -57,6 +57,11 @@ class ReferenceConfig:
     error_status: int = 500
     early_close_rate: float = 0.0  # fraction of streams closed after half their chunks
     seed: int = 0
+    # interop quirks of other servers (0/1): end streams without `data: [DONE]`, send no usage at all,
+    # answer 422 to a body with `ignore_eos` (a strict server without vLLM's extensions)
+    send_done: int = 1
+    send_usage: int = 1
+    reject_ignore_eos: int = 0
 
     def __post_init__(self) -> None:
         if self.tokens_per_chunk < 1:
@@ -265,6 +270,11 @@ class ReferenceServer:
             conn._reply(cfg.error_status, {"error": {"message": "injected error", "type": "server_error"}},
                         close=not keep_alive)
             return
+        if cfg.reject_ignore_eos and "ignore_eos" in req:
+            self.counters.errors += 1
+            conn._reply(422, {"detail": [{"type": "extra_forbidden", "loc": ["body", "ignore_eos"],
+                                          "msg": "Extra inputs are not permitted"}]}, close=not keep_alive)
+            return
         early_close = cfg.early_close_rate > 0 and self.rng.random() < cfg.early_close_rate
         n_out = int(req.get("max_completion_tokens") or req.get("max_tokens") or cfg.default_max_tokens)
         n_in = _prompt_tokens(req, chat)
@@ -289,8 +299,9 @@ class ReferenceServer:
             conn.busy = True
             return
         opts = req.get("stream_options") or {}
-        include_usage = bool(opts.get("include_usage"))
-        continuous = bool(opts.get("continuous_usage_stats"))
+        include_usage = bool(opts.get("include_usage")) and bool(cfg.send_usage)
+        continuous = bool(opts.get("continuous_usage_stats")) and bool(cfg.send_usage)
+        done = _DONE if cfg.send_done else b""
         conn.busy = True
         if conn.transport is None:
             return
@@ -337,10 +348,10 @@ class ReferenceServer:
             if include_usage:
                 data += _frame(f'data: {prefix}"choices":[],"usage":{json.dumps(usage)}}}\n\n'.encode())
             self._count_done()
-            conn.finish_stream(keep_alive, data + _DONE)
+            conn.finish_stream(keep_alive, data + done)
 
         if not schedule:
-            conn.finish_stream(keep_alive, _DONE)
+            conn.finish_stream(keep_alive, done)
             return
         conn.handles.append(loop.call_at(_loop_time(t0 + schedule[0][0]), send, 0))
 

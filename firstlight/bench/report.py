@@ -64,6 +64,11 @@ def _summary_text(result: Mapping[str, Any]) -> str:
     for k in ("request_throughput", "input_throughput", "output_throughput", "goodput"):
         if m.get(k) is not None:
             lines.append(f"{k:19s} {m[k]:.3f} /s")
+    if m.get("num_input_tokens_unknown"):
+        lines.append(f"input tokens unknown for {m['num_input_tokens_unknown']} requests (no --tokenizer and no "
+                     "usage from the server): input_throughput not reported")
+    if result.get("partial"):
+        lines.append(f"PARTIAL: interrupted by {result.get('interrupted_by')}")
     return "\n".join(lines)
 
 
@@ -94,7 +99,17 @@ def write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
             w.writerow(r)
 
 
+def _label_points(ax: Any, pts: Sequence[Mapping[str, Any]], xs: Sequence[Any], ys: Sequence[Any]) -> None:
+    """Write each point's load next to it (c=8 for concurrency 8, r=2.5 for 2.5 req/s)."""
+    for r, x, y in zip(pts, xs, ys, strict=True):
+        if x is not None and y is not None:
+            tag = "c" if r.get("mode") == "concurrency" else "r"
+            ax.annotate(f"{tag}={r['load']:g}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6,
+                        color="#444")
+
+
 def sweep_figures(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Latency vs throughput, the Pareto frontier and cost; every point labelled with its load."""
     labels = sorted({r["label"] for r in rows})
     figs: dict[str, Any] = {}
     fig = _figure(10, 4)
@@ -106,6 +121,8 @@ def sweep_figures(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         a1.plot(x, [r["ttft_p99_ms"] for r in pts], "x--", label=f"{lab} p99")
         a2.plot(x, [r["tpot_median_ms"] for r in pts], "o-", label=f"{lab} median")
         a2.plot(x, [r["tpot_p99_ms"] for r in pts], "x--", label=f"{lab} p99")
+        _label_points(a1, pts, x, [r["ttft_median_ms"] for r in pts])
+        _label_points(a2, pts, x, [r["tpot_median_ms"] for r in pts])
     for ax, name in ((a1, "TTFT (ms)"), (a2, "TPOT (ms)")):
         ax.set_xlabel("output tokens/s (instance)")
         ax.set_ylabel(name)
@@ -118,6 +135,7 @@ def sweep_figures(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         pts = [r for r in rows if r["label"] == lab and r.get("tokens_per_s_per_user")]
         ax.scatter([r["tokens_per_s_per_user"] for r in pts], [r["tokens_per_s_per_instance"] for r in pts],
                    label=lab, s=18)
+        _label_points(ax, pts, [r["tokens_per_s_per_user"] for r in pts], [r["tokens_per_s_per_instance"] for r in pts])
     front = sorted((r for r in rows if r.get("pareto")), key=lambda r: r["tokens_per_s_per_user"])
     ax.plot([r["tokens_per_s_per_user"] for r in front], [r["tokens_per_s_per_instance"] for r in front],
             "k-", lw=1, label="Pareto frontier")
@@ -132,6 +150,8 @@ def sweep_figures(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         for lab in labels:
             pts = [r for r in rows if r["label"] == lab and r.get("usd_per_1m_output_tokens")]
             ax.plot([r["tokens_per_s_per_user"] for r in pts], [r["usd_per_1m_output_tokens"] for r in pts], "o", label=lab)
+            _label_points(ax, pts, [r["tokens_per_s_per_user"] for r in pts],
+                          [r["usd_per_1m_output_tokens"] for r in pts])
         ax.set_xlabel("output tokens/s per user")
         ax.set_ylabel("$ per 1M output tokens")
         ax.set_yscale("log")

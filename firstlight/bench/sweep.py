@@ -116,11 +116,7 @@ class Sweep:
         spec_path.write_text(json.dumps(key, indent=2))
         self.done: dict[tuple[str, float], dict[str, Any]] = {}
         if self.points_path.exists():
-            for line in self.points_path.read_text().splitlines():
-                try:
-                    p = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a point cut mid-write is run again
+            for p in repair_jsonl(self.points_path, log):
                 self.done[(p["label"], float(p["load"]))] = p
 
     def _run_point(self, srv: ServerSpec, value: float, source: str, info: dict[str, Any]) -> dict[str, Any]:
@@ -138,7 +134,14 @@ class Sweep:
             cfg.load.rate = float(value)
         self.log(f"[{srv.label}] {self.spec.mode}={_fmt(value)} ({source}) ...")
         res = run_benchmark(cfg, server_info=copy.deepcopy(info))
-        write_run(self.out / "points" / f"{srv.label}_{self.spec.mode}_{_fmt(value)}", res, plots=False)
+        point_dir = self.out / "points" / f"{srv.label}_{self.spec.mode}_{_fmt(value)}"
+        write_run(point_dir, res, plots=not res.partial)
+        if res.partial:  # not a finished point: kept on disk, not in points.jsonl, so a resume runs it again
+            err = FirstlightError(f"sweep interrupted by {res.output.interrupted_by} during {srv.label} "
+                                  f"{self.spec.mode}={_fmt(value)} (its partial run is in {point_dir}); the "
+                                  f"finished points are in {self.points_path}: rerun the same command to resume.")
+            err.exit_code = 130 if res.output.interrupted_by == "SIGINT" else 143
+            raise err
         row = _point_row(srv.label, srv.url, self.spec.mode, float(value), res.summary, srv.usd_per_hour, source)
         rec = {**row, "metrics": res.summary, "model": cfg.model}
         with self.points_path.open("a") as f:
@@ -228,6 +231,39 @@ class Sweep:
         write_report(self.out, result, title="firstlight bench sweep", figures=report.sweep_figures(rows),
                      tables={"points": rows}, summary=summary)
         return result
+
+
+def repair_jsonl(path: Path, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """The records of a JSONL file appended to by a run that may have been killed mid-write.
+
+    Keeps every line that parses as a JSON object; a torn line (a point cut mid-write) is dropped and
+    the file rewritten without it, ending in a newline, so the next append starts on a line of its
+    own instead of gluing itself to the fragment (which would lose that next point too).
+    """
+    raw = path.read_bytes()
+    good: list[dict[str, Any]] = []
+    kept: list[bytes] = []
+    bad = 0
+    for line in raw.split(b"\n"):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            rec = None
+        if isinstance(rec, dict) and "label" in rec and "load" in rec:
+            good.append(rec)
+            kept.append(line)
+        else:
+            bad += 1
+    clean = b"".join(x + b"\n" for x in kept)
+    if clean != raw:
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_bytes(clean)
+        tmp.replace(path)
+        if bad:
+            log(f"{path}: dropped {bad} torn line(s) left by an interrupted run; those points run again")
+    return good
 
 
 def parse_values(text: str | None, what: str) -> list[float]:

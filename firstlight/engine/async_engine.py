@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -20,7 +21,8 @@ from firstlight.engine.request import Request, SamplingParams
 class AsyncLLM:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException | _Expired]] = {}
+        self._prompt_ids: dict[str, list[int]] = {}
         self._pending_aborts: set[str] = set()
         self._pending_adds: list[Request] = []
         self._pending_calls: list[tuple[Callable[[], Any], asyncio.Future[Any]]] = []
@@ -110,6 +112,7 @@ class AsyncLLM:
             self._next_id += 1
         req = self.engine.make_request(prompt, params, request_id)
         self._queues[request_id] = asyncio.Queue()
+        self._prompt_ids[request_id] = req.prompt_token_ids
         self._pending_adds.append(req)
         self.start()
         assert self._wakeup is not None
@@ -125,9 +128,19 @@ class AsyncLLM:
         self._wakeup.set()
         return await fut
 
+    def expire(self, request_id: str) -> None:
+        """End a request that ran out of time: aborted in the engine, and its stream ends with a final
+        output (finish_reason "length", stop_reason "time_limit") holding what it had produced."""
+        q = self._queues.get(request_id)
+        prompt_ids = self._prompt_ids.get(request_id, [])
+        self.abort(request_id)
+        if q is not None:
+            q.put_nowait(_Expired(prompt_ids))
+
     def abort(self, request_id: str) -> None:
         """Abort a request; applied before the next step. Its blocks are freed then."""
         self._queues.pop(request_id, None)
+        self._prompt_ids.pop(request_id, None)
         self._pending_aborts.add(request_id)
         if self._wakeup is not None:
             self._wakeup.set()
@@ -138,18 +151,27 @@ class AsyncLLM:
         if q is None:
             return
         finished = False
+        last: RequestOutput | None = None
         try:
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     raise RuntimeError(f"engine error: {item}") from item
+                if isinstance(item, _Expired):
+                    finished = True
+                    yield _expired_output(request_id, last, item.prompt_ids)
+                    return
+                last = item
                 yield item
                 if item.finished:
                     finished = True
                     return
         finally:
+            self._prompt_ids.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
@@ -157,3 +179,17 @@ class AsyncLLM:
         rid = self.add_request(prompt, params, request_id)
         async for out in self.stream(rid):
             yield out
+
+
+@dataclasses.dataclass
+class _Expired:
+    """Queue marker: the request's time limit passed (see `AsyncLLM.expire`)."""
+
+    prompt_ids: list[int]
+
+
+def _expired_output(request_id: str, last: RequestOutput | None, prompt_ids: list[int]) -> RequestOutput:
+    if last is None:
+        last = RequestOutput(request_id, prompt_ids, [], [], "", "", False)
+    return dataclasses.replace(last, new_token_ids=[], delta_text="", finished=True, finish_reason="length",
+                               stop_reason="time_limit", new_logprobs=[])

@@ -43,6 +43,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     compile_decode: bool = False
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 | fp8 (firstlight/quant/kv.py)
     seed: int = 0
     trace_path: str | Path | None = None
     speculative: SpecConfig | None = None  # a proposer (ngram, draft, heads) and its k; None = off
@@ -121,7 +122,8 @@ class LLMEngine:
                 logger.warning("%s (%s)", PREFIX_CACHING_OFF_REASON, mcfg.model_type)
         state_bytes = num_slots * ModelRunner.state_bytes_per_slot(model)
         num_blocks = config.num_blocks or max(
-            1, (config.kv_cache_bytes - state_bytes) // ModelRunner.kv_bytes_per_block(model, config.block_size)
+            1, (config.kv_cache_bytes - state_bytes)
+            // ModelRunner.kv_bytes_per_block(model, config.block_size, config.kv_cache_dtype)
         )
         if num_slots:
             self.kv: KVCacheManager = HybridCacheManager(num_blocks, config.block_size, num_slots)
@@ -140,6 +142,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, num_blocks, config.block_size, device, config.compile_decode,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len, num_state_slots=num_slots,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         if num_slots:
             self.runner.state_slot_of = self.kv.slot_of.__getitem__  # type: ignore[attr-defined]

@@ -5,12 +5,20 @@ Every bad request gets a 400 with the OpenAI error object
 disconnects has its request aborted (its KV blocks are freed before the next step): streaming
 responses notice through cancellation of the SSE generator, non-streaming ones through a task
 that listens for `http.disconnect` (the pattern vLLM uses).
+
+Safe to expose (docs/SERVING.md, "Exposing the server"): the limits, the API key, the Host
+allow-list and the slow-client timeouts live in `server_guard.py`; prompts are tokenized and chat
+templates applied by `prompts.py`, in a worker thread (a 1 MB prompt does not stall other streams or /health), text the
+tokenizer rejects is a 400, every request has a time limit, and a 500 never carries internal
+exception text (it is logged, with its traceback, under an id the client gets).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -25,22 +33,29 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from firstlight.engine.async_engine import AsyncLLM
 from firstlight.engine.engine import RequestOutput
-from firstlight.engine.protocol import ChatCompletionRequest, CompletionRequest
+from firstlight.engine.prompts import BadRequest, PromptTokenizer
+from firstlight.engine.protocol import ChatCompletionRequest, CompletionRequest, ResetPrefixCacheRequest
 from firstlight.engine.request import SamplingParams
 from firstlight.engine.sampler import TokenLogprobs
+from firstlight.engine.server_guard import Guard, ServerLimits, protocol_with_header_timeout
+from firstlight.engine.server_schema import install_openapi
 from firstlight.errors import FirstlightError
 
+log = logging.getLogger("firstlight.server")
 
-def error_response(message: str, status: int = 400, param: str | None = None, code: str | None = None) -> JSONResponse:
+
+def error_response(message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "internal_server_error"
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.param, self.code = param, code
+def internal_error(exc: BaseException | None = None) -> JSONResponse:
+    """A 500 that tells the client an id to quote, and keeps the exception text in the server log."""
+    eid = uuid.uuid4().hex[:12]
+    log.error("internal error %s", eid, exc_info=exc)
+    return error_response(f"internal server error (id {eid}; the server log has the details)", 500)
 
 
 async def with_disconnect(request: Request, coro: Awaitable[Response]) -> Response | None:
@@ -65,11 +80,13 @@ async def with_disconnect(request: Request, coro: Awaitable[Response]) -> Respon
 class OpenAIServing:
     """The endpoints' logic, separate from the FastAPI wiring."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+    def __init__(self, llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None) -> None:
         self.llm = llm
         self.model_name = model_name
+        self.limits = limits or ServerLimits()
         self.engine = llm.engine
         self.tokenizer = llm.engine.tokenizer
+        self.prompts = PromptTokenizer(self.tokenizer, escape_special_tokens=self.limits.escape_special_tokens)
         self.created = int(time.time())
 
     def check_model(self, name: str | None) -> None:
@@ -110,7 +127,13 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
         if requested is None:
-            return limit - prompt_len
+            return min(limit - prompt_len, self.limits.max_tokens)
+        if requested > self.limits.max_tokens:
+            raise BadRequest(
+                f"max_tokens {requested} exceeds this server's limit of {self.limits.max_tokens} tokens per "
+                "request (--max-tokens-limit); ask for fewer",
+                param="max_tokens",
+            )
         if prompt_len + requested > limit:
             raise BadRequest(
                 f"prompt ({prompt_len} tokens) + max_tokens ({requested}) = {prompt_len + requested} exceeds the "
@@ -120,6 +143,25 @@ class OpenAIServing:
             )
         return requested
 
+    def check_num_prompts(self, num: int) -> None:
+        if num > self.limits.max_prompts_per_request:
+            raise BadRequest(
+                f"{num} prompts in one request; this server takes at most {self.limits.max_prompts_per_request} "
+                "(--max-prompts-per-request): split them over several requests",
+                param="prompt",
+            )
+
+    def _deadline(self) -> float:
+        return asyncio.get_running_loop().time() + self.limits.request_timeout_s
+
+    def _expire_at(self, deadline: float, rids: list[str]) -> asyncio.TimerHandle:
+        """End these requests at the deadline (finish_reason "length", stop_reason "time_limit")."""
+        def expire() -> None:
+            for rid in rids:
+                self.llm.expire(rid)
+
+        return asyncio.get_running_loop().call_at(deadline, expire)
+
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
 
@@ -127,14 +169,23 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         self.check_speculation(req.num_speculative_tokens)
-        prompts = [self.engine.tokenize(p) for p in req.prompts()]
+        raw_prompts = req.prompts()
+        self.check_num_prompts(len(raw_prompts))
+        deadline = self._deadline()
+        # off the event loop: a 1 MB prompt takes the tokenizer a while, and other streams keep going
+        prompts = await asyncio.to_thread(self.prompts.tokenize_prompts, raw_prompts)
+        self.prompts.check_stop(req.stop)
         params = [req.sampling_params(self.max_tokens(len(ids), req.max_tokens), req.logprobs) for ids in prompts]
         base_id = f"cmpl-{uuid.uuid4().hex}"
         rids = self._add_all(base_id, prompts, params)
+        timer = self._expire_at(deadline, rids)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            return self._sse(self._completion_chunks(base_id, rids, include_usage))
-        resp = await with_disconnect(raw, self._completion_full(base_id, rids))
+            return self._sse(self._completion_chunks(base_id, rids, include_usage), timer)
+        try:
+            resp = await with_disconnect(raw, self._completion_full(base_id, rids))
+        finally:
+            timer.cancel()
         return resp if resp is not None else Response(status_code=499)
 
     def _add_all(self, base_id: str, prompts: list[list[int]], params: list[SamplingParams]) -> list[str]:
@@ -264,19 +315,12 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     # ---- chat ------------------------------------------------------------------------------
-    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise BadRequest("this model's tokenizer has no chat template; use /v1/completions", param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt, tokenize=False
-        )
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         self.check_speculation(req.num_speculative_tokens)
-        ids = self.chat_prompt(req)
+        deadline = self._deadline()
+        ids = await asyncio.to_thread(self.prompts.chat_prompt, req.messages, req.add_generation_prompt)
+        self.prompts.check_stop(req.stop)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         n_lp = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs and not req.logprobs:
@@ -284,10 +328,14 @@ class OpenAIServing:
         params = req.sampling_params(self.max_tokens(len(ids), requested), n_lp)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         rids = self._add_all(base_id, [ids], [params])
+        timer = self._expire_at(deadline, rids)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            return self._sse(self._chat_chunks(base_id, rids[0], include_usage))
-        resp = await with_disconnect(raw, self._chat_full(base_id, rids[0]))
+            return self._sse(self._chat_chunks(base_id, rids[0], include_usage), timer)
+        try:
+            resp = await with_disconnect(raw, self._chat_full(base_id, rids[0]))
+        finally:
+            timer.cancel()
         return resp if resp is not None else Response(status_code=499)
 
     def _chat_logprobs(self, lps: list[TokenLogprobs]) -> dict[str, Any]:
@@ -359,8 +407,24 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     @staticmethod
-    def _sse(gen: AsyncIterator[str]) -> StreamingResponse:
-        return StreamingResponse(gen, media_type="text/event-stream")
+    def _sse(gen: AsyncIterator[str], timer: asyncio.TimerHandle | None = None) -> StreamingResponse:
+        async def guarded() -> AsyncIterator[str]:
+            # headers are sent by now: a failure mid-stream ends it with an error event, not a dropped socket
+            try:
+                async for item in gen:
+                    yield item
+            except Exception as e:
+                eid = uuid.uuid4().hex[:12]
+                log.error("internal error %s in a stream", eid, exc_info=e)
+                yield _sse({"error": {"message": f"internal server error (id {eid}; the server log has the "
+                                                 "details)", "type": "internal_server_error", "param": None,
+                                      "code": None}})
+                yield "data: [DONE]\n\n"
+            finally:
+                if timer is not None:
+                    timer.cancel()
+
+        return StreamingResponse(guarded(), media_type="text/event-stream")
 
 
 def _usage(num_prompt: int, num_out: int) -> dict[str, int]:
@@ -371,20 +435,30 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|.*\[.*\])$")
+
+
 def _validation_message(exc: RequestValidationError | ValidationError) -> tuple[str, str | None]:
+    """One line naming the field. For a union (prompt: str | list[str] | ...) pydantic reports every
+    member; the check that knew what was meant (a `value_error` from our validators) wins, and the
+    members' tags (`function-after[...]`, `list[int]`) are dropped from the path."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    e = errors[0]
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-    param = ".".join(loc) or None
-    if e.get("type") == "json_invalid":
+    if any(e.get("type") == "json_invalid" for e in errors):
         return "the request body is not valid JSON; send a JSON object", None
-    return f"{param or 'request'}: {e.get('msg', 'invalid')}", param
+    e = next((e for kind in ("value_error", "string_unicode") for e in errors if e.get("type") == kind), errors[0])
+    loc = [str(x) for x in e.get("loc", ()) if x != "body" and not _UNION_TAG.match(str(x))]
+    param = ".".join(loc) or None
+    msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+    if e.get("type") == "string_unicode":
+        msg = "not valid Unicode text (a lone surrogate such as \\ud800); send UTF-8 text"
+    return f"{param or 'request'}: {msg}", param
 
 
-def create_app(llm: AsyncLLM, model_name: str) -> FastAPI:
-    serving = OpenAIServing(llm, model_name)
+def create_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None) -> FastAPI:
+    limits = limits or ServerLimits()
+    serving = OpenAIServing(llm, model_name, limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -394,6 +468,8 @@ def create_app(llm: AsyncLLM, model_name: str) -> FastAPI:
 
     app = FastAPI(title="firstlight", lifespan=lifespan)
     app.state.serving = serving
+    app.state.limits = limits
+    app.add_middleware(Guard, limits=limits)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -402,7 +478,8 @@ def create_app(llm: AsyncLLM, model_name: str) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(str(exc.detail), exc.status_code, code=None)
+        # keeps the exception's headers: `Allow` on a 405
+        return error_response(str(exc.detail), exc.status_code, code=None, headers=exc.headers)
 
     @app.exception_handler(BadRequest)
     async def _bad(_: Request, exc: BadRequest) -> JSONResponse:
@@ -419,7 +496,7 @@ def create_app(llm: AsyncLLM, model_name: str) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        return error_response(f"internal error: {type(exc).__name__}: {exc}", 500)
+        return internal_error(exc)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -447,7 +524,7 @@ def create_app(llm: AsyncLLM, model_name: str) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if llm.errored is not None:
-            return error_response(f"engine failed: {llm.errored}", 500)
+            return error_response("the engine failed; the server log has the details", 500)
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -459,17 +536,37 @@ def create_app(llm: AsyncLLM, model_name: str) -> FastAPI:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> dict[str, Any]:
+    async def reset_prefix_cache(raw: Request) -> Response:
+        # a JSON body (even `{}`) is required: a cross-site page cannot send one without a CORS
+        # preflight, which this server never grants, so a browser cannot be used to reset the cache
+        ctype = raw.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            return error_response("POST a JSON object (e.g. {}) with Content-Type: application/json", 415,
+                                  code="unsupported_media_type")
+        try:
+            ResetPrefixCacheRequest.model_validate_json(await raw.body())
+        except ValidationError as e:
+            message, param = _validation_message(e)
+            return error_response(message, 400, param)
         n = await llm.call_between_steps(llm.engine.reset_prefix_cache)
-        return {"num_dropped_blocks": n}
+        return JSONResponse({"num_dropped_blocks": n})
 
+    install_openapi(app)
     return app
+
+
+def uvicorn_config(app: FastAPI, host: str, port: int, limits: ServerLimits, **kw: Any) -> Any:
+    """uvicorn settings that go with the limits: the header deadline, and idle keep-alive closes."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, http=protocol_with_header_timeout(limits.header_timeout_s),
+                          timeout_keep_alive=5, h11_max_incomplete_event_size=64 * 1024, **kw)
 
 
 def serve(
     model: str, host: str = "127.0.0.1", port: int = 8000, trace: str | None = None,
     dtype: str = "float32", served_name: str | None = None, quantization: str | None = None,
-    **engine_kwargs: Any,
+    limits: ServerLimits | None = None, **engine_kwargs: Any,
 ) -> None:
     """Load the model and run the server until interrupted (blocking)."""
     import uvicorn
@@ -477,10 +574,11 @@ def serve(
     from firstlight.engine.engine import EngineConfig, LLMEngine
     from firstlight.engine.llm import load
 
+    limits = limits or ServerLimits()
     m, tok = load(model, dtype, quantization)
     engine = LLMEngine(m, tok, EngineConfig(trace_path=trace, **engine_kwargs))
-    app = create_app(AsyncLLM(engine), served_name or model)
+    app = create_app(AsyncLLM(engine), served_name or model, limits)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        uvicorn.Server(uvicorn_config(app, host, port, limits, log_level="warning")).run()
     finally:
         engine.close()

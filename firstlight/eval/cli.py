@@ -54,17 +54,27 @@ def _run(model: str, quantization: str, corpus: str, max_tokens: int, window: in
         torch.set_num_threads(threads)
     formats = _formats(quantization)
     for f in formats:  # fail on a bad format before loading anything
+        if f.startswith("kv-"):
+            from firstlight.quant.kv import kv_format
+
+            kv_format(f.removeprefix("kv-"))
+            continue
         get_format(f, **({"group_size": group_size} if f == "int4" else {}))
     path = hub.resolve(model)
     net, tokenizer = load_model(path, dtype=dtype)
     ids = corpus_ids(tokenizer, corpus, max_tokens)
     opts = {"int4": {"group_size": group_size}}
-    methods = {f: DEFAULT_METHODS.get(f, "rtn") if method == "auto" else method for f in formats}
+    methods = {f: "rtn" if f.startswith("kv-") else DEFAULT_METHODS.get(f, "rtn") if method == "auto" else method
+               for f in formats}
     cal = calibration_token_ids(tokenizer, calibration) if "gptq" in methods.values() else []
     gptq = {"calibration_ids": cal, "calibration_name": calibration, "cache_dir": default_cache_dir()}
     opts = {f: {**opts.get(f, {}), "skip_lm_head": skip_lm_head, "method": methods[f],
                 **(gptq if methods[f] == "gptq" else {})} for f in formats}
-    base, results = evaluate_formats(net, ids, formats, window=window, stride=stride, with_kl=with_kl, quant_opts=opts)
+    from firstlight.core.progress import progress
+
+    with progress("eval", total=1 + len(formats), unit="models") as advance:
+        base, results = evaluate_formats(net, ids, formats, window=window, stride=stride, with_kl=with_kl,
+                                         quant_opts=opts, progress=advance)
     rows = [base, *results]
     if as_json:
         print(json.dumps({"model": str(path), "corpus": corpus, "dtype": dtype, "window": window, "stride": stride,
@@ -85,7 +95,7 @@ def _run(model: str, quantization: str, corpus: str, max_tokens: int, window: in
 @app.command()
 def ppl(
     model: str = MODEL,
-    quantization: str = typer.Option("none", help="none, int8, int4, fp8, a comma list, or 'all'."),
+    quantization: str = typer.Option("none", help="none, int8, int4, fp8, kv-int8, kv-fp8 (KV cache), a comma list, or 'all'."),
     corpus: str = CORPUS,
     max_tokens: int = MAX_TOKENS,
     window: int = WINDOW,
@@ -107,7 +117,7 @@ def ppl(
 @app.command("kl")
 def kl_cmd(
     model: str = MODEL,
-    quantization: str = typer.Option(..., help="int8, int4, fp8, a comma list, or 'all'."),
+    quantization: str = typer.Option(..., help="int8, int4, fp8, kv-int8, kv-fp8 (KV cache), a comma list, or 'all'."),
     corpus: str = CORPUS,
     max_tokens: int = MAX_TOKENS,
     window: int = WINDOW,

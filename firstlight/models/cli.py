@@ -36,9 +36,11 @@ def pull(
     force: bool = typer.Option(False, help="Rebuild even if already pulled."),
 ) -> None:
     """Make a local HF-format checkpoint dir for NAME and print its path."""
+    from firstlight.core.progress import status
     from firstlight.models import hub
 
-    path = hub.pull(name, force=force, progress=lambda msg: err.print(f"[dim]{msg}[/]"))
+    with status(f"models pull {name}") as update:
+        path = hub.pull(name, force=force, progress=update)
     print(path)
 
 

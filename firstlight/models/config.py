@@ -179,6 +179,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        if not isinstance(cfg, dict):
+            raise ModelLoadError(f"{source}: expected a JSON object, got a {type(cfg).__name__}")
         model_type = cfg.get("model_type")
         if model_type == "gemma3" and "text_config" in cfg:  # multimodal wrapper: use its text tower
             cfg = {**cfg["text_config"], "model_type": "gemma3_text"}
@@ -188,10 +190,12 @@ class ModelConfig:
                 f"{source}: model_type '{model_type}' is not supported; supported: {', '.join(sorted(FAMILIES))}"
             )
         try:
-            return _parse(model_type, cfg)
+            parsed = _parse(model_type, cfg)
+            check_sizes(parsed)
+            return parsed
         except KeyError as e:
             raise ModelLoadError(f"{source}: missing required field {e} for model_type '{model_type}'") from e
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, ArithmeticError) as e:
             raise ModelLoadError(f"{source}: invalid value ({e})") from e
 
 
@@ -199,10 +203,71 @@ def _opt_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
+# Largest sizes accepted: far above any released model (vocab 262k, hidden 16k, 128 layers, 10M context,
+# 512 experts), far below what would make building the model allocate terabytes before any shape check runs.
+MAX_SIZES: dict[str, int] = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "intermediate_size": 1 << 19,
+                             "num_layers": 1 << 10, "num_heads": 1 << 10, "num_kv_heads": 1 << 10,
+                             "head_dim": 1 << 12, "max_position_embeddings": 1 << 27}
+MOE_MAX_SIZES: dict[str, int] = {"num_experts": 1 << 12, "intermediate_size": 1 << 19}
+LINEAR_ATTN_MAX_SIZES: dict[str, int] = {"num_k_heads": 1 << 10, "num_v_heads": 1 << 10, "k_head_dim": 1 << 12,
+                                         "v_head_dim": 1 << 12, "conv_kernel": 1 << 6}
+HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+            "num_kv_heads": "num_key_value_heads", "moe.intermediate_size": "moe_intermediate_size",
+            "linear_attn.num_k_heads": "linear_num_key_heads", "linear_attn.num_v_heads": "linear_num_value_heads",
+            "linear_attn.k_head_dim": "linear_key_head_dim", "linear_attn.v_head_dim": "linear_value_head_dim",
+            "linear_attn.conv_kernel": "linear_conv_kernel_dim"}
+
+
+def _int(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
+    """An integer field, named in the error when it is not one (`"vocab_size": "many"`, 1.5, true)."""
+    value = cfg[key] if default is None else cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        raise ValueError(f"{key} = {value!r} is not an integer")
+    return int(value)
+
+
+def _positive(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
+    """An integer field that must be >= 1 (a period, a stride or a count something is divided by)."""
+    value = _int(cfg, key, default)
+    if value < 1:
+        raise ValueError(f"{key} = {value} must be >= 1")
+    return value
+
+
+def _check(obj: Any, limits: dict[str, int], prefix: str = "", experts_field: str | None = None) -> None:
+    for name, limit in limits.items():
+        value = getattr(obj, name)
+        key = HF_NAMES.get(prefix + name, name)
+        if name == "num_experts" and experts_field:
+            key = experts_field
+        if not 1 <= value <= limit:
+            raise ValueError(f"{key} = {value} is not a plausible size (expected 1 to {limit})")
+
+
+def check_sizes(cfg: ModelConfig) -> None:
+    """Every size is a positive integer no larger than its limit (named by its config.json key), the
+    MoE and linear-attention (hybrid) sizes included."""
+    _check(cfg, MAX_SIZES)
+    if cfg.sliding_window is not None and not 1 <= cfg.sliding_window <= MAX_SIZES["max_position_embeddings"]:
+        raise ValueError(f"sliding_window = {cfg.sliding_window} is not a plausible size "
+                         f"(expected 1 to {MAX_SIZES['max_position_embeddings']})")
+    if not 0 <= cfg.num_mtp_layers <= MAX_SIZES["num_layers"]:
+        raise ValueError(f"num_nextn_predict_layers = {cfg.num_mtp_layers} is not a plausible count "
+                         f"(expected 0 to {MAX_SIZES['num_layers']})")
+    if cfg.moe is not None:
+        _check(cfg.moe, MOE_MAX_SIZES, "moe.", cfg.moe.experts_field)
+        shared = cfg.moe.shared_expert_intermediate_size
+        if not 0 <= shared <= MOE_MAX_SIZES["intermediate_size"]:
+            raise ValueError(f"shared_expert_intermediate_size = {shared} is not a plausible size "
+                             f"(expected 0 to {MOE_MAX_SIZES['intermediate_size']})")
+    if cfg.linear_attn is not None:
+        _check(cfg.linear_attn, LINEAR_ATTN_MAX_SIZES, "linear_attn.")
+
+
 def _rope(params: dict[str, Any] | None, theta: float, cfg: dict[str, Any]) -> RopeConfig:
     params = dict(params or {})
     kind = params.get("rope_type", params.get("type", "default"))
-    max_pos = int(cfg.get("max_position_embeddings", 4096))
+    max_pos = _int(cfg, "max_position_embeddings", 4096)
     # dynamic NTK grows the base past the trained length, which is max_position_embeddings itself
     default_orig = max_pos if kind == "dynamic" else 8192
     factor = params.get("factor")
@@ -240,10 +305,11 @@ def _layer_types(model_type: str, cfg: dict[str, Any], num_layers: int) -> tuple
         return types
     window = cfg.get("sliding_window")
     if model_type == "qwen3_next":
-        interval = int(cfg.get("full_attention_interval", 4))
+        interval = _positive(cfg, "full_attention_interval", 4)
         return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers))
     if model_type == "gemma3_text":
-        pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
+        key = "sliding_window_pattern" if "sliding_window_pattern" in cfg else "_sliding_window_pattern"
+        pattern = _positive(cfg, key, 6)
         return tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers))
     if model_type in ("mistral", "mixtral") and window:
         return (SLIDING,) * num_layers
@@ -261,9 +327,11 @@ def _layer_types(model_type: str, cfg: dict[str, Any], num_layers: int) -> tuple
 def _parse(model_type: str, cfg: dict[str, Any]) -> ModelConfig:
     if model_type == "qwen3_next":
         cfg = {"partial_rotary_factor": 0.25, **cfg}  # transformers' default for this family
-    hidden = int(cfg["hidden_size"])
-    num_heads = int(cfg["num_attention_heads"])
-    num_layers = int(cfg["num_hidden_layers"])
+    hidden = _int(cfg, "hidden_size")
+    num_heads = _int(cfg, "num_attention_heads")
+    num_layers = _int(cfg, "num_hidden_layers")
+    if num_heads < 1 or num_layers < 1:
+        raise ValueError(f"num_attention_heads = {num_heads} and num_hidden_layers = {num_layers} must be >= 1")
     num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
     head_dim = int(cfg.get("head_dim") or hidden // num_heads)
     if num_heads % num_kv_heads:
@@ -294,14 +362,14 @@ def _parse(model_type: str, cfg: dict[str, Any]) -> ModelConfig:
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     attention_bias = bool(cfg.get("attention_bias", False))
     qwen2_like = model_type in ("qwen2", "qwen2_moe")
-    max_pos = int(cfg.get("max_position_embeddings", 4096))
+    max_pos = _int(cfg, "max_position_embeddings", 4096)
     if rope[FULL].kind == "dynamic":  # the context dynamic NTK scaling is made for
         max_pos = int(max_pos * rope[FULL].factor)
     return ModelConfig(
         model_type=model_type,
-        vocab_size=int(cfg["vocab_size"]),
+        vocab_size=_int(cfg, "vocab_size"),
         hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
+        intermediate_size=_int(cfg, "intermediate_size"),
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
@@ -318,7 +386,7 @@ def _parse(model_type: str, cfg: dict[str, Any]) -> ModelConfig:
         qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "qwen3_next"),
         layer_types=layer_types,
         rope=rope,
-        sliding_window=int(cfg["sliding_window"]) if SLIDING in layer_types else None,
+        sliding_window=_int(cfg, "sliding_window") if SLIDING in layer_types else None,
         attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if gemma else None,
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
         bos_token_id=cfg.get("bos_token_id"),
@@ -326,7 +394,7 @@ def _parse(model_type: str, cfg: dict[str, Any]) -> ModelConfig:
         moe=_moe(model_type, cfg, num_layers),
         linear_attn=_linear_attn(cfg) if LINEAR in layer_types else None,
         attn_output_gate=model_type == "qwen3_next",
-        num_mtp_layers=int(cfg.get("num_nextn_predict_layers", 0)) if model_type == "qwen3_next" else 0,
+        num_mtp_layers=_int(cfg, "num_nextn_predict_layers", 0) if model_type == "qwen3_next" else 0,
         hf=dict(cfg),
     )
 
@@ -335,9 +403,9 @@ def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> MoEConfig | N
     """Which layers are sparse and how they route, as each family's HF decoder layer decides it."""
     if model_type == "mixtral":
         return MoEConfig(
-            num_experts=int(cfg.get("num_local_experts", 8)),
-            num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2)),
-            intermediate_size=int(cfg["intermediate_size"]),
+            num_experts=_int(cfg, "num_local_experts", 8),
+            num_experts_per_tok=_int(cfg, "num_experts_per_tok", 2),
+            intermediate_size=_int(cfg, "intermediate_size"),
             norm_topk_prob=True,  # Mixtral always renormalizes the top-k
             sparse_layers=(True,) * num_layers,
             fp32_routing_weights=True,
@@ -347,18 +415,18 @@ def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> MoEConfig | N
         return None
     # hub checkpoints say num_experts; transformers 5 writes some families back as num_local_experts
     field_name = "num_experts" if "num_experts" in cfg or "num_local_experts" not in cfg else "num_local_experts"
-    num_experts = int(cfg[field_name])
-    step = int(cfg.get("decoder_sparse_step", 1))
+    num_experts = _int(cfg, field_name)
+    step = _positive(cfg, "decoder_sparse_step", 1)
     dense_only = set(cfg.get("mlp_only_layers") or ())
     sparse = tuple(i not in dense_only and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
     return MoEConfig(
         num_experts=num_experts,
-        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-        intermediate_size=int(cfg["moe_intermediate_size"]),
+        num_experts_per_tok=_int(cfg, "num_experts_per_tok"),
+        intermediate_size=_int(cfg, "moe_intermediate_size"),
         norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type == "qwen3_next")),
         sparse_layers=sparse,
         shared_expert_intermediate_size=(
-            0 if model_type == "qwen3_moe" else int(cfg["shared_expert_intermediate_size"])
+            0 if model_type == "qwen3_moe" else _int(cfg, "shared_expert_intermediate_size")
         ),
         experts_field=field_name,
     )
@@ -366,9 +434,9 @@ def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> MoEConfig | N
 
 def _linear_attn(cfg: dict[str, Any]) -> LinearAttnConfig:
     return LinearAttnConfig(
-        num_k_heads=int(cfg["linear_num_key_heads"]),
-        num_v_heads=int(cfg["linear_num_value_heads"]),
-        k_head_dim=int(cfg["linear_key_head_dim"]),
-        v_head_dim=int(cfg["linear_value_head_dim"]),
-        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+        num_k_heads=_positive(cfg, "linear_num_key_heads"),
+        num_v_heads=_int(cfg, "linear_num_value_heads"),
+        k_head_dim=_int(cfg, "linear_key_head_dim"),
+        v_head_dim=_int(cfg, "linear_value_head_dim"),
+        conv_kernel=_int(cfg, "linear_conv_kernel_dim", 4),
     )

@@ -37,9 +37,13 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ModelLoadError(f"{path} not found: a checkpoint dir needs it (is this an HF checkpoint dir?)")
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{path} is not valid JSON ({e}); re-download or re-pull the model") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} holds a JSON {type(data).__name__}, expected a JSON object; "
+                             "re-download or re-pull the model")
+    return data
 
 
 def load_config(path: str | Path) -> ModelConfig:
@@ -67,9 +71,9 @@ def _weight_files(ckpt: Path) -> list[Path]:
     index = ckpt / "model.safetensors.index.json"
     if index.is_file():
         weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ModelLoadError(f"{index} has no 'weight_map'; re-download the checkpoint")
-        files = [ckpt / f for f in sorted(set(weight_map.values()))]
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ModelLoadError(f"{index} has no 'weight_map' of tensor name -> file name; re-download the checkpoint")
+        files = [_inside(ckpt, f, index) for f in sorted(set(weight_map.values()))]
     elif (ckpt / "model.safetensors").is_file():
         files = [ckpt / "model.safetensors"]
     else:
@@ -78,6 +82,17 @@ def _weight_files(ckpt: Path) -> list[Path]:
     if missing:
         raise ModelLoadError(f"{ckpt}: shard(s) listed in the index are missing: {', '.join(missing)}")
     return files
+
+
+def _inside(ckpt: Path, name: str, index: Path) -> Path:
+    """A shard named by the index, refused when it resolves outside the checkpoint dir (`../x`, `/etc/x`,
+    a symlink out): an index must not make the loader open files it was not given."""
+    root = ckpt.resolve()
+    path = (ckpt / name).resolve()
+    if not path.is_relative_to(root):
+        raise ModelLoadError(f"{index}: weight_map names {name!r}, which is outside the checkpoint dir {ckpt}; "
+                             "shards must be files inside it")
+    return path
 
 
 class _Tensors:

@@ -28,6 +28,10 @@ KVDT = typer.Option(None, "--kv-dtype", help="KV-cache dtype: bf16, fp16, fp8, i
 MAX_SEQS = typer.Option(256, "--max-num-seqs", help="scheduler: most sequences running at once")
 MAX_TOKENS = typer.Option(8192, "--max-num-batched-tokens", help="scheduler: token budget per step (chunked prefill)")
 MEM_UTIL = typer.Option(0.9, "--memory-utilization", help="fraction of device memory for weights + activations + KV")
+SLO = typer.Option("ttft=2s,tpot=100ms", help="p90 SLOs, as in `firstlight bench`: ttft=500ms,tpot=50 "
+                   "(milliseconds unless suffixed with ms or s)")
+# arrival names as in `firstlight bench --arrival`; the simulator's registry calls constant "uniform"
+ARRIVAL_NAMES = {"poisson": "poisson", "gamma": "gamma", "constant": "uniform", "uniform": "uniform"}
 
 
 def _load(model_name: str, precision: str | None = None, weight_dtype: str | None = None,
@@ -54,6 +58,14 @@ def _stack_knobs(stack: str | None) -> dict:
     from firstlight.sim.stack import load_stack
 
     return load_stack(stack).serve_fields()
+
+
+def _arrival(name: str) -> str:
+    from firstlight.errors import FirstlightError
+
+    if name not in ARRIVAL_NAMES:
+        raise FirstlightError(f"--arrival {name!r}: expected poisson, gamma or constant")
+    return ARRIVAL_NAMES[name]
 
 
 def _print_json(obj: object) -> None:
@@ -312,8 +324,9 @@ def serve(hw: str = HW, model_name: str = MODEL, tp: int = TP, pp: int = PP, ep:
           decode_replicas: int = typer.Option(0, help="with --prefill-replicas: decode replicas"),
           rate: float = typer.Option(4.0, help="requests per second (synthetic workload)"),
           num_requests: int = typer.Option(1000, help="requests in the synthetic workload"),
-          arrival: str = typer.Option("poisson", help="poisson | gamma | uniform"),
-          cv: float = typer.Option(1.0, help="gamma arrivals: coefficient of variation of inter-arrival times"),
+          arrival: str = typer.Option("poisson", help="poisson | gamma | constant (as `firstlight bench --arrival`)"),
+          cv: float = typer.Option(1.0, help="gamma arrivals: coefficient of variation of inter-arrival times "
+                                   "(1 = Poisson)"),
           trace: Path | None = typer.Option(None, help="an engine trace (`firstlight serve --trace`, .jsonl[.gz]): replay "
                                             "its requests with its engine settings and compare per-request latency "
                                             "with the measured; or a workload JSONL/CSV with arrival_s,"
@@ -334,7 +347,7 @@ def serve(hw: str = HW, model_name: str = MODEL, tp: int = TP, pp: int = PP, ep:
           runner: str | None = typer.Option(None, help="fused | grouped (default fused; grouped for a firstlight "
                                             "engine trace)"),
           router: str = typer.Option("round_robin", help="round_robin | least_outstanding"),
-          slo: str = typer.Option("ttft=2000,tpot=100", help="goodput SLO, ms unless suffixed s (as `bench --slo`)"),
+          slo: str = SLO,
           seed: int = typer.Option(0, help="workload random seed"),
           microbatches: int | None = typer.Option(None, help="pp > 1: micro-batches per step (default: pp)"),
           pipeline_schedule: str = typer.Option("gpipe", help="pp > 1: gpipe (flush each step) | async"),
@@ -356,6 +369,7 @@ def serve(hw: str = HW, model_name: str = MODEL, tp: int = TP, pp: int = PP, ep:
     from firstlight.sim.workload import load_trace, make_workload
 
     ttft, tpot = parse_slo(slo)
+    arrival = _arrival(arrival)  # before the model loads: a bad name fails fast
     model = _load(model_name, precision, weight_dtype, kv_dtype)  # announced on stderr; the JSON carries it too
     spec = load_spec(hw)
     knobs = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, "block_size": block_size,
@@ -545,7 +559,7 @@ def sweep(model_name: str = MODEL,
           tp: str = typer.Option("1,2,4,8", help="comma-separated TP degrees"),
           pp: str = typer.Option("1", help="comma-separated PP degrees"),
           rate: str = typer.Option("4", help="comma-separated request rates (req/s)"),
-          slo: str = typer.Option("ttft=2000,tpot=100", help="p90 SLOs, ms unless suffixed s (as `bench --slo`)"),
+          slo: str = SLO,
           num_requests: int = typer.Option(500, help="requests simulated per point"),
           prompt_len: int = typer.Option(512, help="mean prompt tokens"),
           output_len: int = typer.Option(128, help="mean output tokens"),
@@ -585,7 +599,10 @@ def sweep(model_name: str = MODEL,
                      num_replicas=replicas, slo_ttft_s=ttft, slo_tpot_s=tpot, precision=precision, stack=stack,
                      weight_dtype=weight_dtype, kv_dtype=kv_dtype, serve_kwargs={"cluster": cl} if cl else {})
     typer.echo(f"precision profile: {m.profile.describe()}; stack: {stack or 'default'}")
-    rows = run_sweep(points, spec, workers, ray or ray_address is not None, ray_address)
+    from firstlight.core.progress import status
+
+    with status(f"sim sweep: {len(points)} points"):  # a per-point bar needs a callback in sim/sweep.py
+        rows = run_sweep(points, spec, workers, ray or ray_address is not None, ray_address)
     t = Table("hw", "tp", "pp", "rate", "devices", "p90 TTFT s", "p90 TPOT ms", "out tok/s", "$/1M out", "SLO",
               title=f"{model_name}: {len(rows)} points")
     for r in rows:
@@ -610,8 +627,11 @@ def sweep(model_name: str = MODEL,
 
 
 @app.command()
-def compare(model_name: str = typer.Option("llama-3.1-70b", "--model"), prompt_len: int = 1024, output_len: int = 1024,
-            slo: str = typer.Option("ttft=2000,tpot=100", help="p90 SLOs, ms unless suffixed s (as `bench --slo`)"),
+def compare(model_name: str = typer.Option("llama-3.1-70b", "--model", help="config.json path, checkpoint dir, "
+                                           "or preset name"),
+            prompt_len: int = typer.Option(1024, help="prompt tokens per request"),
+            output_len: int = typer.Option(1024, help="output tokens per request"),
+            slo: str = SLO,
             num_requests: int = typer.Option(100, help="requests per simulated replica and rate"),
             systems: str = typer.Option("", help="comma-separated SYSTEM:PRECISION:STACK (default: every vendor)"),
             markdown: bool = typer.Option(False, help="print the docs/SIM.md table")) -> None:

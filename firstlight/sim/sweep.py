@@ -62,26 +62,12 @@ def parse_list(text: str, kind: type, what: str) -> list:
 
 
 def parse_slo(text: str) -> tuple[float, float]:
-    """`ttft=2000,tpot=50` -> (2.0, 0.05) seconds: milliseconds unless suffixed `s` or `ms`, as `bench --slo`."""
-    vals = {"ttft": 2.0, "tpot": 0.1}
-    for part in (p.strip() for p in text.split(",") if p.strip()):
-        key, _, v = part.partition("=")
-        key, v = key.strip().lower(), v.strip().lower()
-        key = "tpot" if key == "itl" else key
-        if key not in vals:
-            raise SweepError(f"--slo item {part!r}: expected ttft=MS or tpot=MS (milliseconds unless suffixed s)")
-        scale = 1e-3
-        if v.endswith("ms"):
-            v = v[:-2]
-        elif v.endswith("s"):
-            v, scale = v[:-1], 1.0
-        try:
-            vals[key] = float(v) * scale
-        except ValueError:
-            raise SweepError(f"--slo item {part!r}: {v!r} is not a number of milliseconds") from None
-        if vals[key] <= 0:
-            raise SweepError(f"--slo {key} must be > 0, got {part!r}")
-    return vals["ttft"], vals["tpot"]
+    """`ttft=2000,tpot=50ms` -> (2.0, 0.05): (ttft, tpot) in seconds, defaults 2 s and 100 ms, from the one
+    `--slo` syntax of bench and sim (firstlight/core/slo.py: milliseconds unless suffixed `s` or `ms`)."""
+    from firstlight.core.slo import parse_slo_ms
+
+    ms = {"ttft": 2000.0, "tpot": 100.0, **parse_slo_ms(text, ("ttft", "tpot"))}
+    return ms["ttft"] / 1e3, ms["tpot"] / 1e3
 
 
 def grid(hws: list[str], tps: list[int], pps: list[int], rates: list[float]) -> list[SweepPoint]:

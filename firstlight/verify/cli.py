@@ -14,7 +14,7 @@ def verify(
     model: str = typer.Option("smollm2-135m", help="Model name or checkpoint dir."),
     target: str = typer.Option(
         "eager", help="eager | inductor | onnxruntime | faulty:k=v,... | emulate:CHIP | path/to/file.py:ClassName "
-                      "(a file target runs its code: load only files you trust)"),
+                      "(a plugin file is imported and run as Python code: only pass files you trust)."),
     overrides: Path | None = typer.Option(
         None, help="Numerics overrides YAML for an emulate:CHIP target (docs/EMULATION.md 'Overrides')."),
     dtype: str = typer.Option("float32", help="Target dtype: float32, bfloat16, float16."),
@@ -31,22 +31,24 @@ def verify(
     batch_path: bool = typer.Option(
         True, "--batch-path/--no-batch-path",
         help="Serving path over 3 prompts of different lengths (padding, masks, block tables); off: the prompt alone."),
-    no_reference_cache: bool = typer.Option(
-        False, "--no-reference-cache",
-        help="Regenerate the reference's greedy continuation instead of reusing $FIRSTLIGHT_HOME/verify-cache."),
+    reference_cache: bool = typer.Option(
+        True, "--reference-cache/--no-reference-cache",
+        help="Reuse the reference's greedy continuation from $FIRSTLIGHT_HOME/verify-cache (--no-reference-cache "
+             "regenerates it)."),
 ) -> None:
     """Check a model on a target against the HF reference; localize the first failing op."""
     from rich.console import Console
 
+    from firstlight.core.progress import status
     from firstlight.errors import FirstlightError
     from firstlight.verify.refcache import ReferenceCacheWarning
 
     err = Console(stderr=True)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), status(f"verify {model} on {target}") as _:
             warnings.simplefilter("ignore", ReferenceCacheWarning)  # printed below, one line each
             result = _run(model, target, dtype, prompt_file, new_tokens, ppl_tokens, tolerance, threads, quantization,
-                          reference_cache=not no_reference_cache, decode_steps=decode_steps, batch_path=batch_path,
+                          reference_cache=reference_cache, decode_steps=decode_steps, batch_path=batch_path,
                           overrides=overrides)
     except FirstlightError as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)

@@ -14,7 +14,8 @@ import uvicorn
 
 from firstlight.engine.async_engine import AsyncLLM
 from firstlight.engine.engine import EngineConfig, LLMEngine
-from firstlight.engine.server import create_app
+from firstlight.engine.server import create_app, uvicorn_config
+from firstlight.engine.server_guard import ServerLimits
 
 
 def free_port() -> int:
@@ -24,18 +25,21 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(model: Any, tokenizer: Any, name: str = "tiny", **cfg: Any) -> Iterator[tuple[str, LLMEngine]]:
+def running_server(model: Any, tokenizer: Any, name: str = "tiny", limits: ServerLimits | None = None,
+                   **cfg: Any) -> Iterator[tuple[str, LLMEngine]]:
+    """The server as `firstlight serve` runs it (same guard, same uvicorn protocol), in a thread."""
     engine = LLMEngine(model, tokenizer, EngineConfig(**cfg))
-    app = create_app(AsyncLLM(engine), name)
+    limits = limits or ServerLimits()
+    app = create_app(AsyncLLM(engine), name, limits)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, limits, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
+            if httpx.get(url + "/health", timeout=1, headers={"host": "localhost"}).status_code == 200:
                 break
         except httpx.HTTPError:
             time.sleep(0.05)

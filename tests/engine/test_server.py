@@ -160,7 +160,9 @@ def test_reset_prefix_cache(server, client) -> None:
     url, engine = server
     client.completions.create(model="tiny", prompt="The capital of France is Paris. " * 3, max_tokens=2)
     assert engine.kv.cached
-    r = httpx.post(url + "/reset_prefix_cache")
+    assert httpx.post(url + "/reset_prefix_cache").status_code == 415  # no JSON body: refused
+    assert engine.kv.cached
+    r = httpx.post(url + "/reset_prefix_cache", json={})
     assert r.status_code == 200 and r.json()["num_dropped_blocks"] > 0
     assert not engine.kv.cached
 

@@ -3,6 +3,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from firstlight.errors import FirstlightError
 from firstlight.sim.cli import app
 from firstlight.sim.sweep import (
     SweepError,
@@ -44,8 +45,11 @@ def test_sweep_marks_what_does_not_fit_and_parallel_equals_serial():
 def test_parse_errors_and_missing_ray(monkeypatch):
     assert parse_slo("ttft=1500,tpot=50") == pytest.approx((1.5, 0.05))  # ms, like `bench --slo`
     assert parse_slo("ttft=1.5s,tpot=50ms") == pytest.approx((1.5, 0.05))
-    with pytest.raises(SweepError, match="expected ttft"):
+    assert parse_slo("tpot:40") == pytest.approx((2.0, 0.04))  # the default TTFT stays; ':' works as '='
+    with pytest.raises(FirstlightError, match="keys ttft, tpot"):  # e2e is bench's; the simulator has no e2e SLO
         parse_slo("latency=3")
+    with pytest.raises(FirstlightError, match="empty item"):
+        parse_slo("ttft=2000,")
     import builtins
 
     real_import = builtins.__import__
@@ -62,7 +66,7 @@ def test_parse_errors_and_missing_ray(monkeypatch):
 
 def test_cli_sweep_writes_report(tmp_path):
     r = CliRunner().invoke(app, ["sweep", "--model", "llama-3.1-8b", "--hw", "h100,a100", "--tp", "1,2",
-                                 "--rate", "4", "--num-requests", "60", "--slo", "ttft=2000,tpot=50",
+                                 "--rate", "4", "--num-requests", "60", "--slo", "ttft=2s,tpot=50ms",
                                  "--workers", "1", "--out", str(tmp_path / "rep")])
     assert r.exit_code == 0, r.output
     assert "best meeting" in r.output

@@ -8,7 +8,7 @@ INTERVALS = (128, 256, 512)
 
 def _c(scope, op, n, why):
     return Candidate("promote_more_often", (rule(module=scope, op=op, matmul={"promotion_interval": n}, why=why),),
-                     f"promote to fp32 every {n} of K" + (f" in {scope}" if scope else " everywhere"), cost_rank=1)
+                     f"promote to fp32 every {n} of K" + (f" in {scope}" if scope else " everywhere"), cost_rank=2)
 
 
 def propose(sig, ctx):

@@ -11,7 +11,7 @@ def propose(sig, ctx):
     scope = scope_of(sig)
     op = packet(sig.op)
     return [Candidate("split_k", (rule(module=scope, op=op, matmul={"promotion_interval": max(32, k // s)},
-                                       why=sig.describe()),), f"split K={k} in {s} ({scope})", cost_rank=1)
+                                       why=sig.describe()),), f"split K={k} in {s} ({scope})", cost_rank=2)
             for s in (4,)]
 
 

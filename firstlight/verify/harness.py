@@ -179,12 +179,22 @@ def _reference_forward(ref: nn.Module, tokens: list[int], num_layers: int, mid: 
     from transformers import DynamicCache
 
     store: dict[str, torch.Tensor] = {}
+    if is_hybrid(ref.config):  # recurrent layers need HF's own hybrid cache; the serving paths skip these models
+        with U.capture(ref, store, hf_module_name, layers=num_layers, mid_norm=mid, sub_inputs=sub_inputs):
+            store["logits"] = ref(torch.tensor([tokens]), use_cache=False).logits.detach().float()
+        return store
     cache = DynamicCache()  # no config: every layer keeps every key (the serving paths read them all)
     with U.capture(ref, store, hf_module_name, layers=num_layers, mid_norm=mid, sub_inputs=sub_inputs):
         store["logits"] = ref(torch.tensor([tokens]), cache=cache, use_cache=True).logits.detach().float()
     for i, layer in enumerate(cache.layers[:num_layers]):  # K after norm and rotary, V: [1, Hkv, S, D]
         store[f"kv.{i}.k"], store[f"kv.{i}.v"] = layer.keys.detach().float(), layer.values.detach().float()
     return store
+
+
+def is_hybrid(config: Any) -> bool:
+    """A model with layers that are not attention (linear attention, SSM): they carry recurrent state."""
+    types = getattr(config, "layer_types", None) or []
+    return any(t not in ("full_attention", "sliding_attention") for t in types)
 
 
 def _stale_position(logits: torch.Tensor, tokens: list[int], prompt_len: int) -> int | None:
@@ -575,8 +585,13 @@ def _serving_paths(ref: nn.Module, tokens: list[int], ref_caps: dict[str, torch.
                    comp: _Compiled, tmodel: nn.Module, runner: StepRunner, ref_tables: ReferenceTables,
                    cfg: ModelConfig, cfg_v: VerifyConfig, policy: TolerancePolicy, num_layers: int, mid: str,
                    sub_inputs: bool) -> dict[str, tuple[dict[str, Any], tuple | None]]:
-    """Run the decode and batch paths; per path (its record, the arguments to localize its failing step)."""
+    """Run the decode and batch paths; per path (its record, the arguments to localize its failing step).
+
+    Hybrid models (linear-attention / SSM layers) are not run: the paged path carries KV blocks only,
+    not the recurrent state those layers need (docs/VERIFY.md)."""
     out: dict[str, tuple[dict[str, Any], tuple | None]] = {}
+    if is_hybrid(ref.config):
+        return out
     seq_len = len(tokens)
     pool_shape = (num_layers, cfg.num_kv_heads, cfg.head_dim)
     main = RefSeq(tokens, ref_caps, _kv_of(ref_caps, num_layers), full_logits)

@@ -47,14 +47,19 @@ class Tables:
     def cast(self, dtype: torch.dtype) -> Tables:
         return Tables({t: (c.to(dtype), s.to(dtype)) for t, (c, s) in self.rope.items()}, dict(self.masks))
 
+    def _key(self, layer_type: str) -> str:
+        """A hybrid model's recurrent layer types use no tables: they are handed the full-attention ones
+        (as models/layers.py CausalLM._alias_state_layers does)."""
+        return layer_type if layer_type in self.rope else "full_attention"
+
     def same_as(self, other: Tables, layer_type: str) -> bool:
         """Bit-identical tables for one layer type (then a unit's propagated output is its isolated one)."""
-        a, b = self.rope[layer_type], other.rope[layer_type]
+        a, b = self.rope[self._key(layer_type)], other.rope[other._key(layer_type)]
         return (all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b, strict=True))
-                and torch.equal(self.masks[layer_type], other.masks[layer_type]))
+                and torch.equal(self.masks[self._key(layer_type)], other.masks[other._key(layer_type)]))
 
     def inputs(self, layer_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return (*self.rope[layer_type], self.masks[layer_type])
+        return (*self.rope[self._key(layer_type)], self.masks[self._key(layer_type)])
 
 
 class ReferenceTables:
@@ -115,7 +120,8 @@ def compare_tables(target: Tables, reference: Tables, q_pos: torch.Tensor, k_pos
     `tables.mask.<type>` (mismatching entries on real queries, the first one)."""
     rows: list[dict[str, Any]] = []
     real = q_pos >= 0  # [B, S]
-    for t in sorted(reference.rope):
+    # layer types that build tables on both sides (a hybrid model's recurrent layers use none)
+    for t in sorted(set(reference.rope) & set(target.rope)):
         for part, tt, rr in zip(("cos", "sin"), target.rope[t], reference.rope[t], strict=True):
             name = f"tables.rope.{t}.{part}"
             tol = policy.for_tensor(name)
@@ -149,7 +155,9 @@ def compare_scales(tmodel: nn.Module, ref: nn.Module) -> dict[str, Any]:
     """Each attention's softmax scale, ours (as the target prepared the model) against HF's `scaling`."""
     worst, first_bad = 0.0, None
     for i, layer in enumerate(tmodel.layers):
-        ours = float(getattr(layer.self_attn, "scale", math.nan))
+        if not hasattr(ref.model.layers[i], "self_attn"):  # a hybrid model's recurrent layer: no softmax scale
+            continue
+        ours = float(getattr(getattr(layer, "self_attn", None), "scale", math.nan))
         theirs = float(getattr(ref.model.layers[i].self_attn, "scaling", math.nan))
         err = abs(ours - theirs) / abs(theirs) if theirs else abs(ours - theirs)
         worst = max(worst, err) if math.isfinite(err) else math.inf

@@ -95,10 +95,11 @@ def judge(before: Evaluation, after: Evaluation) -> str:
     if after.result is None:
         return "worse"  # it compiled before and does not now
     b, a = before.metrics(), after.metrics()
-    # Thresholds with absolute floors: a verify of a few hundred tokens measures KL and perplexity to
-    # about 1e-3 nats and 0.5%, and a boundary or two can cross its tolerance on rounding alone.
+    # Thresholds with absolute floors: a verify of a few hundred tokens measures KL to about 1e-3 nats,
+    # perplexity to about 1%, top-1 to a couple of its ~40 positions, and a boundary or two can cross
+    # its tolerance on rounding alone.
     kl_a, kl_b, dev_a, dev_b = a.get("kl", 0.0), b.get("kl", 0.0), _ppl_dev(a), _ppl_dev(b)
-    if kl_a > 1.25 * kl_b + 1e-3 or dev_a > 1.25 * dev_b + 0.005 or a.get("top1", 1) < b.get("top1", 1) - 0.03 \
+    if kl_a > 1.25 * kl_b + 1e-3 or dev_a > 1.25 * dev_b + 0.01 or a.get("top1", 1) < b.get("top1", 1) - 0.05 \
             or a["units"] > 1.1 * b["units"] + 2:
         return "worse"
     if a["first_failing_index"] > b["first_failing_index"]:

@@ -6,9 +6,9 @@ from firstlight.numerics import FIDELITIES
 
 
 def _variant(scope, op, fid, why):
+    # rank 1: the strongest fidelity is tried early; the performance phase then tries the cheaper ones
     return Candidate("raise_fidelity", (rule(module=scope, op=op, matmul={"fidelity": fid}, why=why),),
-                     f"math fidelity {fid}" + (f" in {scope}" if scope else " everywhere"),
-                     cost_rank=FIDELITIES.index(fid))
+                     f"math fidelity {fid}" + (f" in {scope}" if scope else " everywhere"), cost_rank=1)
 
 
 def propose(sig, ctx):

@@ -21,7 +21,7 @@ def serve(
     max_model_len: int | None = typer.Option(None, help="Context length (default: the model's)."),
     no_prefix_caching: bool = typer.Option(False, help="Disable prefix caching."),
     compile_decode: bool = typer.Option(False, help="torch.compile the decode forward (shape-bucketed: a bounded number of graphs)."),
-    quantization: str = typer.Option("none", help="Weight quantization: none, int8, int4, fp8."),
+    quantization: str = typer.Option("none", help="Weight quantization: none, int8, int4, fp8, w8a8."),
     threads: int | None = typer.Option(None, help="torch intra-op threads (default: torch's)."),
     speculative: str = typer.Option("none", help="Speculative decoding: none, ngram, draft, heads."),
     num_spec_tokens: int = typer.Option(4, help="Tokens proposed and verified per step when speculating "

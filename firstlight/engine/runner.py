@@ -37,47 +37,67 @@ from firstlight.core.batch import Batch, ScheduledSeq
 from firstlight.engine.request import Request
 
 
+@dataclass
+class KVGroupView:
+    """One KV cache group's share of a forward: where its layers write and what they gather."""
+
+    write_slots: torch.Tensor  # [N] pool slots of the valid new tokens
+    gather_slots: torch.Tensor  # [B, L]
+    key_positions: torch.Tensor  # [B, L], -1 = no key
+
+
 class PagedKVCache:
-    """One forward's view of the pools: where to write new K/V and what to gather per row, and (hybrid
+    """One forward's view of the pools: where to write new K/V and what to gather per row, per KV cache
+    group (full-attention layers; sliding-window layers, which gather only their window), and (hybrid
     models) which recurrent state slot each row reads and writes."""
 
     def __init__(
         self,
         k_pools: list[torch.Tensor],
         v_pools: list[torch.Tensor],
-        write_slots: torch.Tensor,
+        views: dict[str, KVGroupView],
+        layer_types: Sequence[str],
         write_rows: torch.Tensor,
-        gather_slots: torch.Tensor,
-        key_positions: torch.Tensor,
         state_pools: dict[int, tuple[torch.Tensor, ...]] | None = None,
         state_slots: torch.Tensor | None = None,
     ) -> None:
         self.k_pools, self.v_pools = k_pools, v_pools
         self.state_pools = state_pools or {}  # layer -> (conv pool, recurrent pool), [slots, ...] each
         self.state_slots = state_slots  # [B] the slot of each row
-        self.write_slots = write_slots  # [N] pool slots of the valid new tokens
+        self.views = views  # layer type -> its group's slots
+        # layer -> the view of its type (recurrent layers: any view; they never call update)
+        first = next(iter(views.values()))
+        self._layer_views = [views.get(t, first) for t in layer_types]
         self.write_rows = write_rows  # [N] their index in the flattened [B*S] new tokens
-        self.gather_slots = gather_slots  # [B, L]
         # index_select over the flattened slots: ~8x faster than advanced indexing on CPU (torch 2.13;
         # 0.10 vs 0.75 ms for [32, 134] slots of [3, 64] fp32), same bytes
-        self._flat_slots = gather_slots.reshape(-1)
-        self.key_positions = key_positions  # [B, L], -1 = no key
+        self._flat_slots = {t: v.gather_slots.reshape(-1) for t, v in views.items()}
+        self._layer_flat = [self._flat_slots.get(t, self._flat_slots[next(iter(views))]) for t in layer_types]
+        # one group: the key positions as a tensor, as every cache gives them; several: per layer type
+        self.key_positions = (first.key_positions if len(views) == 1
+                              else {t: v.key_positions for t, v in views.items()})
 
-    def begin(self, positions: torch.Tensor) -> torch.Tensor:
+    @property
+    def gather_slots(self) -> torch.Tensor:
+        return next(iter(self.views.values())).gather_slots
+
+    def begin(self, positions: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
         return self.key_positions
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         batch, num_kv_heads, seq, head_dim = k.shape  # k: [B, Hkv, S, D]
+        view = self._layer_views[layer]
         k_pool, v_pool = self.k_pools[layer], self.v_pools[layer]  # [slots, Hkv, D]
         k_new = k.transpose(1, 2).reshape(batch * seq, num_kv_heads, head_dim)
         v_new = v.transpose(1, 2).reshape(batch * seq, num_kv_heads, head_dim)
         if self.write_rows.numel() != batch * seq:
             k_new, v_new = k_new[self.write_rows], v_new[self.write_rows]
-        k_pool.index_copy_(0, self.write_slots, k_new.to(k_pool.dtype))
-        v_pool.index_copy_(0, self.write_slots, v_new.to(v_pool.dtype))
-        shape = (*self.gather_slots.shape, num_kv_heads, head_dim)  # [B, L, Hkv, D]
-        k_all = k_pool.index_select(0, self._flat_slots).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
-        v_all = v_pool.index_select(0, self._flat_slots).view(shape).transpose(1, 2)
+        k_pool.index_copy_(0, view.write_slots, k_new.to(k_pool.dtype))
+        v_pool.index_copy_(0, view.write_slots, v_new.to(v_pool.dtype))
+        shape = (*view.gather_slots.shape, num_kv_heads, head_dim)  # [B, L, Hkv, D]
+        flat = self._layer_flat[layer]
+        k_all = k_pool.index_select(0, flat).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
+        v_all = v_pool.index_select(0, flat).view(shape).transpose(1, 2)
         return k_all, v_all
 
     def end(self) -> None:
@@ -198,7 +218,10 @@ class ModelRunner:
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
         num_state_slots: int = 0,
+        num_sliding_blocks: int | None = None,
     ) -> None:
+        """num_sliding_blocks: the sliding-window layers get pools of their own with this many blocks,
+        paged by the Batch's `sliding_block_ids` (engine/kv_groups.py); None: they share `block_ids`."""
         cfg = model.config
         self.model = model
         self.block_size = block_size
@@ -207,11 +230,20 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         # one slot past the last block: where a compiled decode's padding rows write their K/V
         self.scratch_slot = num_blocks * block_size
-        shape = (num_blocks * block_size + 1, cfg.num_kv_heads, cfg.head_dim)
         kv_layers = set(cfg.kv_layers)
-        # recurrent layers keep no K/V: an empty pool keeps the list indexed by layer
-        self.k_pools = [self._pool(shape if i in kv_layers else (0,)) for i in range(cfg.num_layers)]
-        self.v_pools = [self._pool(shape if i in kv_layers else (0,)) for i in range(cfg.num_layers)]
+        sliding = {i for i in kv_layers if cfg.window(i)}
+        self.window = cfg.sliding_window if sliding else None
+        self.num_sliding_blocks = num_sliding_blocks if sliding else None
+        self.sliding_scratch_slot = (num_sliding_blocks or num_blocks) * block_size
+        # the attention types with K/V, in a fixed order: each is one KV cache group's view per forward
+        self._kv_types = sorted({cfg.layer_types[i] for i in kv_layers})
+        def pool_shape(i: int) -> tuple[int, ...]:
+            if i not in kv_layers:
+                return (0,)  # recurrent layers keep no K/V: an empty pool keeps the list indexed by layer
+            slots = self.sliding_scratch_slot if i in sliding else self.scratch_slot
+            return (slots + 1, cfg.num_kv_heads, cfg.head_dim)
+        self.k_pools = [self._pool(pool_shape(i)) for i in range(cfg.num_layers)]
+        self.v_pools = [self._pool(pool_shape(i)) for i in range(cfg.num_layers)]
         # recurrent layers: one state slot per running request (+1 scratch slot for padding rows)
         self.num_state_slots = num_state_slots
         self.state_pools = {
@@ -242,10 +274,12 @@ class ModelRunner:
         return torch.zeros(shape, dtype=dtype or self.dtype, device=self.device)
 
     @staticmethod
-    def kv_bytes_per_block(model: torch.nn.Module, block_size: int) -> int:
+    def kv_bytes_per_block(model: torch.nn.Module, block_size: int, layers: Sequence[int] | None = None) -> int:
+        """K + V bytes of one block over `layers` (default: every layer with K/V)."""
         cfg = model.config
         itemsize = next(model.parameters()).element_size()
-        return 2 * len(cfg.kv_layers) * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+        num_layers = len(cfg.kv_layers if layers is None else layers)
+        return 2 * num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
     @staticmethod
     def state_shapes(model: torch.nn.Module) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -356,37 +390,51 @@ class ModelRunner:
         self, seqs: list[ScheduledSeq], positions: torch.Tensor, num_keys: int | None = None
     ) -> PagedKVCache:
         """Write and gather slots for `positions` [Bp, S] (rows past len(seqs), position -1, are padding:
-        they write to the scratch slot and see no key); L = num_keys, or the longest context."""
-        bs = self.block_size
+        they write to the scratch slot and see no key), one view per KV cache group. Full-attention
+        layers gather L = num_keys keys, or the longest context; sliding-window layers gather only the
+        keys some query of the row can see (from num_computed - W + 1 on), bucketed when num_keys is."""
         context = torch.tensor([s.context_len for s in seqs])  # [B]
-        num_keys = num_keys or int(context.max())
-        pad = positions.shape[0] - len(seqs)
-        max_blocks = max(-(-num_keys // bs), max(len(s.block_ids) for s in seqs))
-        tables = torch.tensor([list(s.block_ids) + [0] * (max_blocks - len(s.block_ids)) for s in seqs])
-        j = torch.arange(num_keys)
-        gather_slots = tables[:, j // bs] * bs + j % bs  # [B, L]
-        valid = j[None, :] < context[:, None]
-        key_positions = torch.where(valid, j[None, :], -1)
-        gather_slots = torch.where(valid, gather_slots, 0)
+        computed = torch.tensor([s.num_computed_tokens for s in seqs])  # [B]
         pos = positions[: len(seqs)].cpu()
-        write_slots = tables.gather(1, pos // bs) * bs + pos % bs  # [B, S]; every new token is valid
-        if pad:
-            gather_slots = torch.cat([gather_slots, gather_slots.new_zeros(pad, num_keys)])
-            key_positions = torch.cat([key_positions, key_positions.new_full((pad, num_keys), -1)])
-            write_slots = torch.cat([write_slots, write_slots.new_full((pad, positions.shape[1]), self.scratch_slot)])
+        pad = positions.shape[0] - len(seqs)
+        views = {}
+        for t in self._kv_types:
+            sliding = t == "sliding_attention"
+            own = sliding and self.num_sliding_blocks is not None
+            tables = [s.sliding_block_ids if own else s.block_ids for s in seqs]
+            scratch = self.sliding_scratch_slot if own else self.scratch_slot
+            views[t] = self._group_view(tables, context, computed, pos, self.window if sliding else None,
+                                        num_keys, pad, scratch)
         dev = self.device
         state_slots = None
         if self.state_pools:
             assert self.state_slot_of is not None
             slots = [self.state_slot_of(s.request_id) for s in seqs] + [self.num_state_slots] * pad
             state_slots = torch.tensor(slots, device=dev)
-        return PagedKVCache(
-            self.k_pools,
-            self.v_pools,
-            write_slots.reshape(-1).to(dev),
-            torch.arange(write_slots.numel(), device=dev),
-            gather_slots.to(dev),
-            key_positions.to(dev),
-            self.state_pools,
-            state_slots,
-        )
+        num_new = positions.numel()
+        return PagedKVCache(self.k_pools, self.v_pools, views, self.model.config.layer_types,
+                            torch.arange(num_new, device=dev), self.state_pools, state_slots)
+
+    def _group_view(
+        self, tables: list[tuple[int, ...]], context: torch.Tensor, computed: torch.Tensor, pos: torch.Tensor,
+        window: int | None, num_keys: int | None, pad: int, scratch: int,
+    ) -> KVGroupView:
+        bs = self.block_size
+        lo = (computed - window + 1).clamp(min=0) if window else torch.zeros_like(computed)  # first visible key
+        num_gathered = int((context - lo).max())
+        if num_keys is not None:  # compiled decode: the key length is a bucket
+            num_gathered = num_keys if window is None else bucket_up(num_gathered, self.key_buckets)
+        max_blocks = max(len(t) for t in tables)
+        table = torch.tensor([list(t) + [0] * (max_blocks - len(t)) for t in tables])  # [B, blocks]
+        key_pos = lo[:, None] + torch.arange(num_gathered)  # [B, L]
+        valid = key_pos < context[:, None]
+        at = torch.minimum(key_pos, context[:, None] - 1)  # invalid keys read a real slot, then are masked
+        gather_slots = torch.where(valid, table.gather(1, at // bs) * bs + at % bs, 0)
+        key_positions = torch.where(valid, key_pos, -1)
+        write_slots = table.gather(1, pos // bs) * bs + pos % bs  # [B, S]; every new token is valid
+        if pad:
+            gather_slots = torch.cat([gather_slots, gather_slots.new_zeros(pad, num_gathered)])
+            key_positions = torch.cat([key_positions, key_positions.new_full((pad, num_gathered), -1)])
+            write_slots = torch.cat([write_slots, write_slots.new_full((pad, pos.shape[1]), scratch)])
+        dev = self.device
+        return KVGroupView(write_slots.reshape(-1).to(dev), gather_slots.to(dev), key_positions.to(dev))

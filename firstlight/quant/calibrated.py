@@ -28,7 +28,7 @@ CHUNK_TOKENS = 512
 EVAL_TEXT = "hamlet-sample"  # the quality gate's text: never used for calibration
 # Best measured method per format on SmolLM2-135M (docs/QUANT.md): int4 stays round-to-nearest
 # because min/max groups of 32 recover that model's Q4_1 source grid exactly.
-DEFAULT_METHODS = {"int8": "gptq", "fp8": "gptq", "int4": "rtn"}
+DEFAULT_METHODS = {"int8": "gptq", "fp8": "gptq", "int4": "rtn", "w8a8": "gptq"}
 GPTQ_OPTIONS = {"block_size": 128, "damp": 0.01}
 CACHE_VERSION = 1
 

@@ -17,7 +17,7 @@ from torch import nn
 from firstlight.errors import FirstlightError
 
 # Modules that define (and register) the built-in formats; imported on first lookup.
-_FORMAT_MODULES = ("firstlight.quant.int8", "firstlight.quant.int4", "firstlight.quant.fp8")
+_FORMAT_MODULES = ("firstlight.quant.int8", "firstlight.quant.int4", "firstlight.quant.fp8", "firstlight.quant.w8a8")
 _FORMATS: dict[str, type[QuantFormat]] = {}
 
 
@@ -30,6 +30,8 @@ class QuantFormat:
 
     name: ClassVar[str]
     summary: ClassVar[str]
+    # lm_head="auto" on a tied head: int8 weight-only, sharing the embedding's int8 codes (see quant/model.py)
+    int8_tied_head: ClassVar[bool] = True
 
     def __init__(self, **opts: Any) -> None:
         if opts:

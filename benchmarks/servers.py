@@ -59,6 +59,7 @@ class Server:
     extra_body: dict = field(default_factory=dict)
     env: dict = field(default_factory=dict)
     missing: str | None = None  # why it cannot run here
+    workloads: tuple[str, ...] | None = None  # None: all that were asked for
 
 
 # ---- measured rates ------------------------------------------------------------------------------
@@ -115,6 +116,11 @@ def servers(args: argparse.Namespace, port: int) -> list[Server]:
         out.append(Server(f"firstlight-{fmt}", base + ["--quantization", "none" if fmt == "fp32" else fmt],
                           args.model, fmt, model_weight_bytes(model)))
         del model
+    if "firstlight-int4-compiled" in args.servers:  # single stream and startup only (graphs built on first use)
+        int4 = next(s for s in out if s.kernel == "int4") if any(s.kernel == "int4" for s in out) else None
+        wb = int4.weight_bytes if int4 else 0
+        out.append(Server("firstlight-int4-compiled", base + ["--quantization", "int4", "--compile-decode"],
+                          args.model, "int4", wb, workloads=("single",)))
     hf = Server("hf-serve", ["transformers", "serve", "--continuous-batching", "--device", "cpu", "--dtype", "float32",
                              "--host", "127.0.0.1", "--port", str(port), str(path)],
                 str(path), "fp32", 0, ignore_eos=False)
@@ -180,6 +186,17 @@ def bench(server: Server, port: int, out: Path, tokenizer: str, bench_root: str,
     return json.loads(path.read_text())["metrics"] if path.is_file() else {"error": "no result.json"}
 
 
+def first_request_s(server: Server, port: int) -> float:
+    """Wall time of one completion of 2 tokens (a prefill and one decode step)."""
+    body = {"model": server.model_name, "prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                 {"content-type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=1800) as r:
+        r.read()
+    return time.perf_counter() - t0
+
+
 def force_length(server: Server, n: int) -> None:
     if not server.ignore_eos:  # transformers serve: min_new_tokens through its generation_config field
         server.extra_body = {"generation_config": json.dumps({"min_new_tokens": n, "max_new_tokens": n,
@@ -192,21 +209,24 @@ def run_server(server: Server, args: argparse.Namespace, port: int, out: Path) -
     proc = start(server, args.threads, port, out / f"{server.name}.log")
     res["startup_s"] = time.perf_counter() - t0
     tok = str(args.tokenizer)
+    workloads = [w for w in args.workloads if server.workloads is None or w in server.workloads]
     try:
+        res["first_request_s"] = first_request_s(server, port)  # prefill + 1 decode step (compiles, if it does)
+        res["second_request_s"] = first_request_s(server, port)
         common = ["--input-len", str(PROMPT_LEN)]
-        if "single" in args.workloads:
+        if "single" in workloads:
             force_length(server, SINGLE_OUT)
             res["single"] = bench(server, port, out / server.name / "single", tok, args.bench_root, *common,
                                   "--output-len", str(SINGLE_OUT), "--concurrency", "1", "--num-requests", "3",
                                   "--warmup-requests", "1")
-        if "closed" in args.workloads:
+        if "closed" in workloads:
             force_length(server, CLOSED_OUT)
             for c in args.concurrency:
                 n = args.num_requests_c1 if c == 1 else args.num_requests
                 res[f"c{c}"] = bench(server, port, out / server.name / f"c{c}", tok, args.bench_root, *common,
                                      "--output-len", str(CLOSED_OUT), "--concurrency", str(c), "--num-requests",
                                      str(n), "--warmup-requests", "1")
-        if "poisson" in args.workloads:
+        if "poisson" in workloads:
             server.extra_body = {}
             for rate in args.rates:
                 res[f"rate{rate}"] = bench(server, port, out / server.name / f"rate{rate}", tok, args.bench_root,
@@ -226,8 +246,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--servers", default="firstlight-fp32,firstlight-int8,firstlight-int4,firstlight-w8a8,hf-serve,"
-                    "llama-cpp")
+    ap.add_argument("--servers", default="firstlight-fp32,firstlight-int8,firstlight-int4,firstlight-w8a8,"
+                    "firstlight-int4-compiled,hf-serve,llama-cpp")
     ap.add_argument("--workloads", default="single,closed,poisson")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--num-requests", type=int, default=32)
@@ -290,8 +310,8 @@ def print_tables(s: dict, args: argparse.Namespace) -> None:
               f"{k} " + "/".join(f"{v[m]:.0f}" for m in sorted(v)) for k, v in rates.items())
           + f"; load average {la[0][0]:.1f} before, {la[1][0]:.1f} after, on {os.cpu_count()} CPUs")
     print("\n| server | weights MB | decode tok/s (bound) | TTFT ms | " + " | ".join(
-        f"c={c} tok/s (bound)" for c in args.concurrency) + " | out tok/req | startup s |")
-    print("|---|---:|---:|---:|" + "---:|" * len(args.concurrency) + "---:|---:|")
+        f"c={c} tok/s (bound)" for c in args.concurrency) + " | out tok/req | start s | 1st / 2nd request s |")
+    print("|---|---:|---:|---:|" + "---:|" * len(args.concurrency) + "---:|---:|---:|")
     for r in s["results"]:
         rate = {int(k): v for k, v in rates[r["kernel"]].items()}
         wb = r["weight_bytes"]
@@ -306,7 +326,8 @@ def print_tables(s: dict, args: argparse.Namespace) -> None:
             outs.append(fmt((m.get("output_tokens") or {}).get("mean"), 0))
         ttft = (single.get("ttft_ms") or {}).get("median")
         print(f"| {r['name']} | {wb / 1e6:.0f} | {fmt(dec)} ({dec_bound:.0f}) | {fmt(ttft, 0)} | " + " | ".join(cells)
-              + f" | {'/'.join(outs)} | {r['startup_s']:.0f} |")
+              + f" | {'/'.join(outs)} | {r['startup_s']:.0f} | {fmt(r.get('first_request_s'), 2)} / "
+              f"{fmt(r.get('second_request_s'), 2)} |")
     rate_keys = [k for k in (s["results"][0] if s["results"] else {}) if k.startswith("rate")]
     if rate_keys:
         print(f"\nPoisson arrivals, lognormal lengths; goodput (req/s meeting {s['slo']}) / output tok/s / errors")

@@ -41,6 +41,14 @@ def serve(
 
     if threads is not None:
         torch.set_num_threads(threads)
+    if compile_decode:
+        # inductor's FX graph cache (on by default) under the firstlight home rather than /tmp: compiled
+        # decode graphs survive a reboot, and a warm start skips inductor's codegen (docs/PERFORMANCE.md)
+        import os
+
+        from firstlight.models.hub import firstlight_home
+
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(firstlight_home() / "cache" / "inductor"))
     if kv_cache_gib <= 0:
         raise FirstlightError(f"--kv-cache-gib must be > 0, got {kv_cache_gib}")
     spec = None

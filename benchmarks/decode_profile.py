@@ -3,12 +3,13 @@ by class (matmul kernels, attention, KV gather/scatter, elementwise, ...), and t
 wall time (Python, dispatch, scheduler, sampler) as overhead.
 
     PYTHONPATH=. .venv/bin/python benchmarks/decode_profile.py --model smollm2-135m --threads 1 \
-        --quantization int4 --steps 32 [--compile]
+        --quantization int4 --modes eager,compiled
 
-One request, prompt 128 random ids, greedy with EOS ignored; the engine runs the prefill and a few
-warm-up decode steps (and, with --compile, builds its graph) before the profiled steps. Op times are
-the profiler's self CPU time per op, summed per class and divided by the number of steps; "overhead"
-= median step wall time (unprofiled steps, same run) - profiled op time per step.
+One request per mode (eager / compiled decode engines over the same model), prompt 128 random ids,
+greedy with EOS ignored; each engine runs the prefill and 8 warm-up decode steps (the compiled one
+builds its graph there) before timed rounds that alternate between the modes. Op times are the
+profiler's self CPU time per op, summed per class and divided by the number of steps; "overhead" =
+median step wall time (unprofiled, same run) - profiled op time per step.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ CLASSES = (  # first match wins; names are aten / quantized op names as the prof
     ("matmul: fp32/bf16", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")),
     ("attention (SDPA)", ("scaled_dot_product", "_flash_attention", "_efficient_attention")),
     ("KV gather/scatter", ("index_select", "index_copy", "aten::gather", "aten::index")),
-    ("compiled graph (inductor kernels)", ("CompiledFunction", "Torch-Compiled Region", "inductor")),
+    ("compiled graph (inductor kernels)", ("CompiledFxGraph", "CompiledFunction", "Torch-Compiled Region",
+                                           "int4mm_packed_weight_cpu")),
+    ("dynamo guards / bytecode", ("TorchDynamo Cache Lookup", "Pregraph bytecode")),
     ("dtype casts / copies", ("aten::to", "aten::_to_copy", "aten::copy_", "aten::contiguous", "aten::clone")),
     ("embedding", ("aten::embedding",)),
     ("views / allocation", ("aten::as_strided", "aten::empty", "aten::reshape", "aten::view", "aten::transpose",
@@ -48,47 +51,62 @@ def op_class(name: str) -> str:
     return "other ops"
 
 
-def run(args: argparse.Namespace) -> dict:
+def make_engine(model, tok, args: argparse.Namespace, compiled: bool, total: int):
     from firstlight.engine.engine import EngineConfig, LLMEngine
     from firstlight.engine.request import SamplingParams
-    from firstlight.models import hub
-    from firstlight.models.loader import load_model
-    from firstlight.quant import apply_quantization
 
-    model, tok = load_model(hub.resolve(args.model))
-    report = apply_quantization(model, args.quantization)
-    engine = LLMEngine(model, tok, EngineConfig(block_size=16, num_blocks=64, max_num_seqs=1,
-                                                compile_decode=args.compile))
+    engine = LLMEngine(model, tok, EngineConfig(block_size=16, num_blocks=256, max_num_seqs=1,
+                                                compile_decode=compiled))
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(10, model.config.vocab_size - 10, (args.prompt_len,), generator=g).tolist()
-    total = 8 + 2 * args.steps
     engine.add_request(prompt, SamplingParams(max_tokens=total, temperature=0.0, ignore_eos=True))
     t0 = time.perf_counter()
     engine.step()  # prefill
     ttft = time.perf_counter() - t0
+    t0 = time.perf_counter()
     for _ in range(8):  # warm-up decode steps (and the compiled graph)
         engine.step()
-    walls = []
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        engine.step()
-        walls.append(time.perf_counter() - t)
-    step_ms = 1e3 * statistics.median(walls)
+    return engine, ttft, time.perf_counter() - t0
+
+
+def profile(engine, steps: int) -> tuple[dict[str, float], list[tuple[str, float]]]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for _ in range(args.steps):
+        for _ in range(steps):
             engine.step()
     by_class: dict[str, float] = defaultdict(float)
     top: dict[str, float] = defaultdict(float)
     for evt in prof.key_averages():
         if evt.self_cpu_time_total <= 0:
             continue
-        by_class[op_class(evt.key)] += evt.self_cpu_time_total / 1e3 / args.steps
-        top[evt.key] += evt.self_cpu_time_total / 1e3 / args.steps
-    op_ms = sum(by_class.values())
-    return {"step_ms": step_ms, "ttft_ms": 1e3 * ttft, "op_ms": op_ms, "by_class": dict(by_class),
-            "top": sorted(top.items(), key=lambda kv: -kv[1])[:12],
-            "kernel": report.kernel if report else "float32 dense", "compile": args.compile,
-            "graphs": engine.runner.num_decode_compiles}
+        by_class[op_class(evt.key)] += evt.self_cpu_time_total / 1e3 / steps
+        top[evt.key] += evt.self_cpu_time_total / 1e3 / steps
+    return dict(by_class), sorted(top.items(), key=lambda kv: -kv[1])[:10]
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Eager and compiled engines over one model; timed rounds alternate between them (load drift on a
+    shared machine hits both), then each is profiled once."""
+    from firstlight.models import hub
+    from firstlight.models.loader import load_model
+    from firstlight.quant import apply_quantization
+
+    model, tok = load_model(hub.resolve(args.model))
+    report = apply_quantization(model, args.quantization)
+    total = 8 + (args.rounds + 1) * args.steps + 8
+    modes = {m: make_engine(model, tok, args, m == "compiled", total) for m in args.modes}
+    walls: dict[str, list[float]] = {m: [] for m in modes}
+    for _ in range(args.rounds):
+        for m, (engine, _, _) in modes.items():
+            for _ in range(args.steps):
+                t = time.perf_counter()
+                engine.step()
+                walls[m].append(time.perf_counter() - t)
+    out = {"kernel": report.kernel if report else "float32 dense", "modes": {}}
+    for m, (engine, ttft, warm) in modes.items():
+        by_class, top = profile(engine, args.steps)
+        out["modes"][m] = {"step_ms": 1e3 * statistics.median(walls[m]), "ttft_ms": 1e3 * ttft, "warmup_s": warm,
+                           "by_class": by_class, "top": top, "graphs": engine.runner.num_decode_compiles}
+    return out
 
 
 def main() -> None:
@@ -97,22 +115,33 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quantization", default="int4")
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--steps", type=int, default=16, help="decode steps per timed round and per profile")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--modes", default="eager,compiled")
     args = ap.parse_args()
+    args.modes = args.modes.split(",")
     torch.set_num_threads(args.threads)
     r = run(args)
     load = os.getloadavg()
-    print(f"{args.model} {args.quantization} ({r['kernel']}), {'compiled' if r['compile'] else 'eager'} decode, "
-          f"{args.threads} thread(s), load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} CPUs")
-    print(f"decode step {r['step_ms']:.2f} ms (median of {args.steps}) = {1e3 / r['step_ms']:.1f} tok/s; "
-          f"prefill of {args.prompt_len} tokens {r['ttft_ms']:.0f} ms; graphs {r['graphs']}")
-    print(f"{'class':<36} {'ms/step':>8} {'share':>6}")
-    for cls, ms in sorted(r["by_class"].items(), key=lambda kv: -kv[1]):
-        print(f"{cls:<36} {ms:8.2f} {ms / r['step_ms']:6.1%}")
-    overhead = r["step_ms"] - r["op_ms"]
-    print(f"{'overhead (Python, dispatch, rest)':<36} {overhead:8.2f} {overhead / r['step_ms']:6.1%}")
-    print("top ops (ms/step): " + ", ".join(f"{k} {v:.2f}" for k, v in r["top"]))
+    print(f"{args.model} {args.quantization} ({r['kernel']}), {args.threads} thread(s), load average "
+          f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} CPUs; step = median of "
+          f"{args.rounds} x {args.steps} alternating decode steps; op times from one profiled block of {args.steps}")
+    modes = r["modes"]
+    print(f"{'':<36}" + "".join(f"{m + ' ms':>12} {'share':>6}" for m in modes))
+    line = f"{'decode step (wall)':<36}" + "".join(f"{v['step_ms']:12.2f} {'':>6}" for v in modes.values())
+    print(line)
+    classes = sorted({c for v in modes.values() for c in v["by_class"]},
+                     key=lambda c: -max(v["by_class"].get(c, 0) for v in modes.values()))
+    for c in classes:
+        print(f"{c:<36}" + "".join(f"{v['by_class'].get(c, 0):12.2f} {v['by_class'].get(c, 0) / v['step_ms']:6.1%}"
+                                   for v in modes.values()))
+    print(f"{'overhead (wall - profiled ops)':<36}" + "".join(
+        f"{v['step_ms'] - sum(v['by_class'].values()):12.2f} "
+        f"{(v['step_ms'] - sum(v['by_class'].values())) / v['step_ms']:6.1%}" for v in modes.values()))
+    for m, v in modes.items():
+        print(f"{m}: {1e3 / v['step_ms']:.1f} tok/s; prefill {v['ttft_ms']:.0f} ms; first 8 decode steps "
+              f"{v['warmup_s']:.1f} s (compile included); graphs {v['graphs']}")
+        print("  top ops (ms/step): " + ", ".join(f"{k[:48]} {t:.2f}" for k, t in v["top"]))
 
 
 if __name__ == "__main__":

@@ -165,8 +165,10 @@ def quantize_model(
     report.weight_bytes_before = model_weight_bytes(model)
     report.skipped = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Embedding)
                             and n not in linears and n not in embeddings)
-    # GPTQ for the layers inside the blocks; the (tied) head and the embedding stay round-to-nearest.
-    calibrated = [n for n in linears if n != "lm_head"] if method == "gptq" else []
+    # GPTQ for the layers inside the blocks; a head that shares the embedding's int8 codes and the
+    # embedding stay round-to-nearest (a head of its own, as w8a8 keeps, is calibrated too).
+    own_head = head_choice == "same" and not qfmt.int8_tied_head
+    calibrated = [n for n in linears if n != "lm_head" or own_head] if method == "gptq" else []
     with torch.no_grad():
         replaced: dict[str, nn.Module] = {}
         if calibrated:

@@ -48,6 +48,11 @@ class QuantFormat:
         """The quantized layer; `params` are grid parameters chosen by a calibrated method (GPTQ)."""
         raise NotImplementedError
 
+    def exact_channels(self, hessian: torch.Tensor) -> torch.Tensor | None:
+        """Input channels a calibrated method keeps out of the grid (exact), chosen from the layer's
+        calibration Hessian; they reach `quantize_linear` as the last of `params`. None: none."""
+        return None
+
     def grid(self, device: torch.device, dtype: torch.dtype) -> Any:
         """The rounding grid GPTQ works on (gptq.Grid); formats without one cannot be calibrated."""
         raise QuantizationError(f"format '{self.name}' has no grid for calibrated methods; use method 'rtn'")

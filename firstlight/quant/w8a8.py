@@ -89,28 +89,42 @@ class W8A8Linear(QuantizedModule):
     def __init__(
         self, linear: nn.Linear, weight_bits: int, kernel: str, params: tuple[torch.Tensor, ...] | None = None
     ) -> None:
-        """params: (scale [N],) from a calibrated method (GPTQ, whose weights lie on that grid)."""
+        """params: (scale [N],) or (scale [N], exact input channels [k]) from a calibrated method (GPTQ,
+        whose weights lie on that grid except in the exact channels)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight_bits, self.kernel = weight_bits, kernel
         self.weight_qmax, self.act_qmax = qmax_pair(weight_bits)
-        q, scale = quantize_per_channel_int8(linear.weight, None if params is None else params[0], qmax=self.weight_qmax)
+        w = linear.weight.detach().float()
+        exact = params[1].long() if params is not None and len(params) > 1 else torch.zeros(0, dtype=torch.long)
+        self.register_buffer("exact_idx", exact)  # [k] input channels multiplied in fp32 (LLM.int8() outliers)
+        self.register_buffer("exact_weight_t", w[:, exact].t().contiguous())  # [k, N]
+        w = w.index_fill(1, exact, 0.0)
+        q, scale = quantize_per_channel_int8(w, None if params is None else params[0], qmax=self.weight_qmax)
         self.register_buffer("weight_scale", scale)  # [N] fp32
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
         self.packed = pack_weight(q, scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).float()  # [M, K]
+        x_exact = None
+        if self.exact_idx.numel():
+            x_exact = x2.index_select(1, self.exact_idx)  # [M, k]
+            x2 = x2.index_fill(1, self.exact_idx, 0.0)
         s = x2.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / self.act_qmax  # [M, 1] per-token scale
         # x2 / s lies in -Qx..Qx: the kernel rounds it with scale 1 (the per-token rounding) and zero point Qx + 1
         y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x2 / s, 1.0, self.act_qmax + 1, self.packed)
         y = y * s  # [M, N]
+        if x_exact is not None:
+            y = torch.addmm(y, x_exact, self.exact_weight_t)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:
-        return unpack_weight(self.packed).float() * self.weight_scale[:, None]
+        w = unpack_weight(self.packed).float() * self.weight_scale[:, None]
+        w[:, self.exact_idx] = self.exact_weight_t.t()
+        return w
 
     def opaque_bytes(self) -> int:
         return self.in_features * self.out_features  # the int8 codes inside the packed weight
@@ -121,6 +135,9 @@ class W8A8Linear(QuantizedModule):
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
         q = state_dict.pop(prefix + "qweight", None)
+        for name in ("exact_idx", "exact_weight_t"):  # their shape depends on the calibration: take them as saved
+            if prefix + name in state_dict:
+                setattr(self, name, torch.empty_like(state_dict[prefix + name]))
         super()._load_from_state_dict(state_dict, prefix, *args)
         if q is not None:
             self.packed = pack_weight(q.to(torch.int8), self.weight_scale)
@@ -138,11 +155,21 @@ class W8A8(QuantFormat):
     # kernel is the slowest path at batch 32 on CPU (docs/QUANT.md), w8a8 the fastest.
     int8_tied_head = False
 
-    def __init__(self, weight_bits: int = 7, **opts: Any) -> None:
+    def __init__(self, weight_bits: int = 7, num_exact_channels: int = 8, **opts: Any) -> None:
         super().__init__(**opts)
         if weight_bits not in WEIGHT_BITS:
             raise QuantizationError(f"w8a8 weight_bits must be one of {WEIGHT_BITS}, got {weight_bits}")
-        self.weight_bits = weight_bits
+        if num_exact_channels < 0:
+            raise QuantizationError(f"w8a8 num_exact_channels must be >= 0, got {num_exact_channels}")
+        self.weight_bits, self.num_exact_channels = weight_bits, num_exact_channels
+
+    def exact_channels(self, hessian: torch.Tensor) -> torch.Tensor | None:
+        """The input channels with the largest mean square activation (diag of the calibration Hessian),
+        kept out of the int8 GEMM and multiplied in fp32 (LLM.int8(), Dettmers et al. 2022)."""
+        k = min(self.num_exact_channels, hessian.shape[0] // 4)
+        if k == 0:
+            return None
+        return torch.topk(torch.diagonal(hessian), k).indices.sort().values
 
     def kernel_path(self, device: torch.device, dtype: torch.dtype) -> str:
         if device.type != "cpu":

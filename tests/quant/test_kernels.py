@@ -204,3 +204,26 @@ def test_w8a8_state_dict_round_trip_carries_the_codes():
     x = torch.randn(4, 64)
     assert torch.equal(other(x), q(x))
     assert q.storage_bytes() == 32 * 64 + 4 * 32 + 4 * 32  # codes + scales + bias
+
+
+def test_w8a8_exact_channels_are_multiplied_in_fp32():
+    """Outlier input channels (LLM.int8()) leave the int8 GEMM: their contribution is exact, the rest's
+    per-token scale no longer sees them."""
+    lin = _linear(48, 64)
+    exact = torch.tensor([3, 17])
+    scale = quantize_per_channel_int8(lin.weight.index_fill(1, exact, 0.0), qmax=63)[1]
+    q = get_format("w8a8").quantize_linear(lin, (scale, exact))
+    x = torch.randn(5, 64)
+    x[:, exact] *= 50  # outliers: they would take the whole int8 range of every token
+    plain = get_format("w8a8").quantize_linear(lin)
+    assert _rel(q(x), lin(x)) < _rel(plain(x), lin(x)) / 3
+    w = q.dequantized_weight()
+    assert torch.equal(w[:, exact], lin.weight[:, exact])
+    rest = x.index_fill(1, exact, 0.0)
+    s = rest.abs().amax(-1, keepdim=True) / 127
+    codes = torch.round(lin.weight.index_fill(1, exact, 0.0) / scale[:, None]).clamp(-63, 63)
+    ref = (torch.round(rest / s) @ codes.t()) * s * scale + x[:, exact] @ lin.weight[:, exact].t() + lin.bias
+    assert torch.allclose(q(x), ref, rtol=1e-5, atol=1e-4)
+    state = q.state_dict()  # a plain (RTN) layer takes the calibrated one's exact channels from its state
+    plain.load_state_dict(state)
+    assert torch.equal(plain(x), q(x))

@@ -14,9 +14,12 @@ Workloads (through `python -m firstlight.cli bench run`, streaming completions, 
   poisson   Poisson arrivals swept over --rates, lognormal prompt (median 128) and output (median 32)
             lengths (sigma 0.5), goodput at --slo
 
-Forcing the output length: firstlight and llama.cpp get `ignore_eos`; `transformers serve` rejects it
-(422), so it gets `generation_config` with min_new_tokens = max_new_tokens instead (its completions
-endpoint reads that field); the table reports the output tokens each server really produced.
+Forcing the output length: firstlight gets `ignore_eos`; llama-cpp-python's server drops that field
+silently, so it gets `min_tokens` = max_tokens; `transformers serve` rejects it (422), so it gets
+`generation_config` with min_new_tokens = max_new_tokens (its completions endpoint reads that field).
+The table reports the mean output tokens each server really produced (counted with the model's
+tokenizer over the streamed text, so a token or two off from the server's own count).
+llama-cpp-python runs `--interrupt_requests False` (by default a new request cuts the stream running).
 
 Bounds (roofline, Williams et al. 2009), per server from its own weight format and kernel: a decode step
 of batch c costs max(weight bytes / copy bandwidth, c x 2 x matmul params FLOPs / GEMM rate of the kernel
@@ -55,7 +58,7 @@ class Server:
     model_name: str  # what requests send as "model"
     kernel: str  # key into the measured GEMM rates
     weight_bytes: int
-    ignore_eos: bool = True
+    length_by: str = "ignore_eos"  # how the output length is forced: ignore_eos | min_tokens | generation_config
     extra_body: dict = field(default_factory=dict)
     env: dict = field(default_factory=dict)
     missing: str | None = None  # why it cannot run here
@@ -123,7 +126,7 @@ def servers(args: argparse.Namespace, port: int) -> list[Server]:
                           args.model, "int4", wb, workloads=("single",)))
     hf = Server("hf-serve", ["transformers", "serve", "--continuous-batching", "--device", "cpu", "--dtype", "float32",
                              "--host", "127.0.0.1", "--port", str(port), str(path)],
-                str(path), "fp32", 0, ignore_eos=False)
+                str(path), "fp32", 0, length_by="generation_config")
     hf.weight_bytes = next((s.weight_bytes for s in out if s.kernel == "fp32"), 0)
     hf.cmd[0] = str(Path(PY).with_name("transformers"))
     if not Path(hf.cmd[0]).exists():
@@ -132,8 +135,9 @@ def servers(args: argparse.Namespace, port: int) -> list[Server]:
     gguf = Path(args.gguf_dir) / hub.KNOWN_MODELS[args.model].gguf_name if args.model in hub.KNOWN_MODELS else None
     ll = Server("llama-cpp", [PY, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
                               "--port", str(port), "--n_threads", str(args.threads), "--n_threads_batch",
-                              str(args.threads), "--n_ctx", "4096", "--model_alias", args.model],
-                args.model, "int8", 0)
+                              str(args.threads), "--n_ctx", "4096", "--model_alias", args.model,
+                              "--interrupt_requests", "False"],  # default: a new request cuts the running stream
+                args.model, "int8", 0, length_by="min_tokens")
     if importlib.util.find_spec("llama_cpp") is None:
         ll.missing = "llama-cpp-python is not installed (make bench-peers builds it)"
     elif gguf is None:
@@ -178,7 +182,7 @@ def stop(proc: subprocess.Popen) -> None:
 def bench(server: Server, port: int, out: Path, tokenizer: str, bench_root: str, *extra: str) -> dict:
     cmd = [PY, "-m", "firstlight.cli", "bench", "run", "--url", f"http://127.0.0.1:{port}", "--model",
            server.model_name, "--tokenizer", tokenizer, "--out", str(out), "--no-plots", "--seed", "0",
-           "--ignore-eos" if server.ignore_eos else "--no-ignore-eos", *extra]
+           "--ignore-eos" if server.length_by == "ignore_eos" else "--no-ignore-eos", *extra]
     if server.extra_body:
         cmd += ["--extra-body", json.dumps(server.extra_body)]
     subprocess.run(cmd, cwd=bench_root, check=False, capture_output=True, text=True, timeout=3600)
@@ -198,9 +202,11 @@ def first_request_s(server: Server, port: int) -> float:
 
 
 def force_length(server: Server, n: int) -> None:
-    if not server.ignore_eos:  # transformers serve: min_new_tokens through its generation_config field
+    if server.length_by == "generation_config":  # transformers serve rejects ignore_eos; it reads this field
         server.extra_body = {"generation_config": json.dumps({"min_new_tokens": n, "max_new_tokens": n,
                                                               "do_sample": False})}
+    elif server.length_by == "min_tokens":  # llama-cpp-python ignores ignore_eos; it has min_tokens
+        server.extra_body = {"min_tokens": n}
 
 
 def run_server(server: Server, args: argparse.Namespace, port: int, out: Path) -> dict:

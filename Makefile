@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # Pin the CPU build of torch on this kind of machine; set CONSTRAINTS= to keep your own torch.
 CONSTRAINTS ?= -c constraints/cpu.txt
 
-.PHONY: install demo test test-slow lint clean
+.PHONY: install demo test test-slow lint clean bench-peers
 
 $(STAMP): pyproject.toml constraints/cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,6 +33,13 @@ test: $(STAMP)
 # The slow tier: real-model checks of every stage (Gemma 3, SmolLM2 on every target, load tests).
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -p no:cacheprovider -m slow
+
+# The peers of benchmarks/servers.py, into the same venv: llama.cpp's server through llama-cpp-python,
+# compiled here for this CPU (no prebuilt binary is fetched; ~10-30 min on 2 cores), and transformers'
+# serving extras. Optional: servers.py skips a peer that is not installed and says so.
+bench-peers: $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF -DLLAMA_CURL=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+		$(BIN)/pip install $(CONSTRAINTS) --no-binary llama-cpp-python -e '.[bench-peers]'
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -19,8 +19,10 @@ class ScheduledSeq:
     num_tokens: int  # tokens computed this step (a prefill chunk, 1 for decode, 1+k when speculating)
     num_computed_tokens: int  # tokens already in the KV cache before this step (= first position)
     num_prompt_tokens: int
-    block_ids: tuple[int, ...] = ()
+    block_ids: tuple[int, ...] = ()  # -1: a block released because it fell out of the sliding window
     num_spec_tokens: int = 0  # of num_tokens, how many are speculative proposals being verified
+    # models with full and sliding-window layers: the sliding layers' own table (engine/kv_groups.py)
+    sliding_block_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_tokens < 1:
@@ -42,6 +44,7 @@ class ScheduledSeq:
     def from_dict(cls, d: dict[str, Any]) -> ScheduledSeq:
         d = dict(d)
         d["block_ids"] = tuple(d.get("block_ids", ()))
+        d["sliding_block_ids"] = tuple(d.get("sliding_block_ids", ()))
         return cls(**d)
 
 

@@ -22,7 +22,7 @@ def serve(
     prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching",
                                         help="Reuse the KV blocks of shared prompt prefixes."),
     compile_decode: bool = typer.Option(False, help="torch.compile the decode forward (shape-bucketed: a bounded number of graphs)."),
-    quantization: str = typer.Option("none", help="Weight quantization: none, int8, int4, fp8."),
+    quantization: str = typer.Option("none", help="Weight quantization: none, int8, int4, fp8, w8a8."),
     threads: int | None = typer.Option(None, help="torch intra-op threads (default: torch's)."),
     speculative: str = typer.Option("none", help="Speculative decoding: none, ngram, draft, heads."),
     num_spec_tokens: int = typer.Option(4, help="Tokens proposed and verified per step when speculating "
@@ -64,6 +64,14 @@ def serve(
 
     if threads is not None:
         torch.set_num_threads(threads)
+    if compile_decode:
+        # inductor's FX graph cache (on by default) under the firstlight home rather than /tmp: compiled
+        # decode graphs survive a reboot, and a warm start skips inductor's codegen (docs/PERFORMANCE.md)
+        import os
+
+        from firstlight.models.hub import firstlight_home
+
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(firstlight_home() / "cache" / "inductor"))
     if kv_cache_gib <= 0:
         raise FirstlightError(f"--kv-cache-gib must be > 0, got {kv_cache_gib}")
     hosts = tuple(h.strip() for h in allowed_hosts.split(",") if h.strip()) if allowed_hosts else None

@@ -17,6 +17,7 @@ import torch
 
 from firstlight.core.trace import RequestRecord, StepRecord, append_request, append_step, write_header
 from firstlight.engine.detokenizer import IncrementalDetokenizer
+from firstlight.engine.kv_groups import SlidingWindowGroups, sliding_blocks_needed
 from firstlight.engine.kv_manager import KVCacheManager
 from firstlight.engine.metrics import EngineMetrics
 from firstlight.engine.request import Request, RequestStatus, SamplingParams
@@ -44,6 +45,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     compile_decode: bool = False
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 | fp8 (firstlight/quant/kv.py)
+    # sliding-window layers keep only their window's blocks (free the rest; mixed models get a second
+    # block pool for them, engine/kv_groups.py); False: every layer keeps every block, as before
+    free_out_of_window: bool = True
     seed: int = 0
     trace_path: str | Path | None = None
     speculative: SpecConfig | None = None  # a proposer (ngram, draft, heads) and its k; None = off
@@ -125,10 +129,21 @@ class LLMEngine:
             1, (config.kv_cache_bytes - state_bytes)
             // ModelRunner.kv_bytes_per_block(model, config.block_size, config.kv_cache_dtype)
         )
+        num_sliding_blocks = None
+        window_layers = [i for i in mcfg.kv_layers if mcfg.window(i)]
+        evict = config.free_out_of_window and bool(window_layers) and not num_slots
         if num_slots:
-            self.kv: KVCacheManager = HybridCacheManager(num_blocks, config.block_size, num_slots)
+            self.kv: KVCacheManager | SlidingWindowGroups = HybridCacheManager(num_blocks, config.block_size, num_slots)
+        elif evict and len(window_layers) < len(mcfg.kv_layers):
+            num_blocks, num_sliding_blocks = self._split_blocks(model, config, window_layers)
+            self.kv = SlidingWindowGroups(
+                KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching),
+                KVCacheManager(num_sliding_blocks, config.block_size, config.enable_prefix_caching,
+                               sliding_window=mcfg.sliding_window),
+            )
         else:
-            self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+            window = mcfg.sliding_window if evict else None  # every attention layer slides
+            self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, window)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -143,6 +158,7 @@ class LLMEngine:
             model, num_blocks, config.block_size, device, config.compile_decode,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len, num_state_slots=num_slots,
             kv_cache_dtype=config.kv_cache_dtype,
+            num_sliding_blocks=num_sliding_blocks,
         )
         if num_slots:
             self.runner.state_slot_of = self.kv.slot_of.__getitem__  # type: ignore[attr-defined]
@@ -163,6 +179,25 @@ class LLMEngine:
             meta = {"engine": "firstlight", "config": config.as_dict(), "model": type(model).__name__,
                     "num_blocks": num_blocks, "threads": torch.get_num_threads()}
             write_header(self._trace_file, meta)
+
+    @staticmethod
+    def _split_blocks(model: torch.nn.Module, config: EngineConfig, window_layers: list[int]) -> tuple[int, int]:
+        """(full-group blocks, sliding-group blocks): the sliding group needs only what the running
+        requests' windows (plus one step's tokens) can hold; the full group gets the rest of the bytes.
+        With `num_blocks` given, the full group gets that many."""
+        mcfg = model.config
+        full_layers = [i for i in mcfg.kv_layers if i not in window_layers]
+        bpb_full = ModelRunner.kv_bytes_per_block(model, config.block_size, config.kv_cache_dtype, full_layers)
+        bpb_sliding = ModelRunner.kv_bytes_per_block(model, config.block_size, config.kv_cache_dtype, window_layers)
+        spec = config.speculative.num_spec_tokens if config.speculative is not None else 0
+        need = sliding_blocks_needed(mcfg.sliding_window, config.block_size, config.max_num_seqs,
+                                     config.max_num_batched_tokens + spec)
+        if config.num_blocks:
+            return config.num_blocks, min(need, config.num_blocks)
+        num_full = (config.kv_cache_bytes - need * bpb_sliding) // bpb_full
+        if num_full < need:  # a small cache: no request can outgrow its window anyway
+            num_full = need = max(1, config.kv_cache_bytes // (bpb_full + bpb_sliding))
+        return num_full, need
 
     # ---- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

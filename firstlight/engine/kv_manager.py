@@ -8,6 +8,12 @@ ref count drops to zero keeps its key and sits in the free queue; it is reused o
 evicted (its key dropped) only when a fresh block is needed. Blocks are freed in reverse order so
 the tail of a sequence is evicted before its head. Every block is at any time either in use
 (ref count > 0) or in the free queue, so `num_used_blocks + num_free_blocks == num_blocks`.
+
+Sliding-window layers (`sliding_window=W`): once a request has computed n tokens, no later query
+(position >= n) can see a key before position n - W + 1, so every block wholly before it is released
+after each step (`release_out_of_window`) and its table entry becomes NULL_BLOCK: the table stays
+positional (block i holds tokens i*B..i*B+B-1), and a request holds about (W + chunk) / B blocks however
+long it grows. A released full block keeps its prefix key in the free queue like any freed block.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from firstlight.engine.request import Request
+
+NULL_BLOCK = -1  # a table entry whose block was released (out of every sliding layer's window)
 
 
 @dataclass
@@ -47,9 +55,15 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 class KVCacheManager:
     """Hands out KV blocks to requests and remembers full blocks for prefix reuse."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int | None = None
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 (or None), got {sliding_window}")
+        self.sliding_window = sliding_window
+        self._num_released: dict[str, int] = {}  # per request: leading table entries already NULL
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -166,7 +180,10 @@ class KVCacheManager:
         """Release a request's blocks (finished, aborted or preempted). Idempotent."""
         table = self.block_tables.pop(request_id, [])
         self._block_hashes.pop(request_id, None)
+        self._num_released.pop(request_id, None)
         for block_id in reversed(table):
+            if block_id == NULL_BLOCK:
+                continue
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -182,12 +199,45 @@ class KVCacheManager:
         keep = max(self.num_blocks_for(num_tokens), len(self._block_hashes.get(request_id, ())))
         num_freed = 0
         while len(table) > keep:
-            block = self.blocks[table.pop()]
+            block_id = table.pop()
+            if block_id == NULL_BLOCK:
+                continue
+            block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue[block.block_id] = None
             num_freed += 1
         return num_freed
+
+    def release_out_of_window(self, request: Request) -> int:
+        """Sliding window: release the blocks no future query of the request can see (all keys before
+        position num_computed_tokens - W + 1). Call after `cache_full_blocks`. Returns how many."""
+        if self.sliding_window is None:
+            return 0
+        rid = request.request_id
+        table = self.block_tables.get(rid)
+        if table is None:
+            return 0
+        first_needed = max(0, request.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        start = self._num_released.get(rid, 0)
+        num_freed = 0
+        for i in range(start, min(first_needed, len(table))):
+            block = self.blocks[table[i]]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block.block_id] = None
+            table[i] = NULL_BLOCK
+            num_freed += 1
+        self._num_released[rid] = max(start, min(first_needed, len(table)))
+        return num_freed
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now (its table minus released entries)."""
+        return sum(1 for b in self.block_tables.get(request_id, ()) if b != NULL_BLOCK)
+
+    def seq_block_ids(self, request_id: str) -> dict[str, tuple[int, ...]]:
+        """The block tables a ScheduledSeq carries for this request (field name -> table)."""
+        return {"block_ids": tuple(self.block_tables[request_id])}
 
     # ---- prefix registration ---------------------------------------------------------------
     def cache_full_blocks(self, request: Request) -> None:
@@ -209,6 +259,8 @@ class KVCacheManager:
             h = hash_block(parent, chunk)
             hashes.append(h)
             parent = h
+            if table[i] == NULL_BLOCK:
+                continue
             block = self.blocks[table[i]]
             if block.block_hash is None and h not in self.cached:
                 block.block_hash = h
@@ -229,7 +281,8 @@ class KVCacheManager:
         refs = [0] * self.num_blocks
         for table in self.block_tables.values():
             for b in table:
-                refs[b] += 1
+                if b != NULL_BLOCK:
+                    refs[b] += 1
         for block in self.blocks:
             assert block.ref_count == refs[block.block_id], f"block {block.block_id} ref count wrong"
             assert (block.ref_count == 0) == (block.block_id in self.free_queue)

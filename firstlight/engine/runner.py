@@ -46,18 +46,27 @@ from firstlight.quant.kv import KV_FORMATS, dequantize_kv, quantize_kv
 KV_CACHE_DTYPES = ("auto", *KV_FORMATS)
 
 
+@dataclass
+class KVGroupView:
+    """One KV cache group's share of a forward: where its layers write and what they gather."""
+
+    write_slots: torch.Tensor  # [N] pool slots of the valid new tokens
+    gather_slots: torch.Tensor  # [B, L]
+    key_positions: torch.Tensor  # [B, L], -1 = no key
+
+
 class PagedKVCache:
-    """One forward's view of the pools: where to write new K/V and what to gather per row, and (hybrid
+    """One forward's view of the pools: where to write new K/V and what to gather per row, per KV cache
+    group (full-attention layers; sliding-window layers, which gather only their window), and (hybrid
     models) which recurrent state slot each row reads and writes."""
 
     def __init__(
         self,
         k_pools: list[torch.Tensor],
         v_pools: list[torch.Tensor],
-        write_slots: torch.Tensor,
+        views: dict[str, KVGroupView],
+        layer_types: Sequence[str],
         write_rows: torch.Tensor,
-        gather_slots: torch.Tensor,
-        key_positions: torch.Tensor,
         state_pools: dict[int, tuple[torch.Tensor, ...]] | None = None,
         state_slots: torch.Tensor | None = None,
         scale_pools: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
@@ -68,47 +77,59 @@ class PagedKVCache:
         self.state_pools = state_pools or {}  # layer -> (conv pool, recurrent pool), [slots, ...] each
         self.state_slots = state_slots  # [B] the slot of each row
         self.scale_pools, self.kv_format, self.dtype = scale_pools, kv_format, dtype
-        self.write_slots = write_slots  # [N] pool slots of the valid new tokens
+        self.views = views  # layer type -> its group's slots
+        # layer -> the view of its type (recurrent layers: any view; they never call update)
+        first = next(iter(views.values()))
+        self._layer_views = [views.get(t, first) for t in layer_types]
         self.write_rows = write_rows  # [N] their index in the flattened [B*S] new tokens
-        self.gather_slots = gather_slots  # [B, L]
         # index_select over the flattened slots: ~8x faster than advanced indexing on CPU (torch 2.13;
         # 0.10 vs 0.75 ms for [32, 134] slots of [3, 64] fp32), same bytes
-        self._flat_slots = gather_slots.reshape(-1)
-        self.key_positions = key_positions  # [B, L], -1 = no key
+        self._flat_slots = {t: v.gather_slots.reshape(-1) for t, v in views.items()}
+        self._layer_flat = [self._flat_slots.get(t, self._flat_slots[next(iter(views))]) for t in layer_types]
+        # one group: the key positions as a tensor, as every cache gives them; several: per layer type
+        self.key_positions = (first.key_positions if len(views) == 1
+                              else {t: v.key_positions for t, v in views.items()})
 
-    def begin(self, positions: torch.Tensor) -> torch.Tensor:
+    @property
+    def gather_slots(self) -> torch.Tensor:
+        return next(iter(self.views.values())).gather_slots
+
+    def begin(self, positions: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
         return self.key_positions
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         batch, num_kv_heads, seq, head_dim = k.shape  # k: [B, Hkv, S, D]
+        view = self._layer_views[layer]
         k_pool, v_pool = self.k_pools[layer], self.v_pools[layer]  # [slots, Hkv, D]
         k_new = k.transpose(1, 2).reshape(batch * seq, num_kv_heads, head_dim)
         v_new = v.transpose(1, 2).reshape(batch * seq, num_kv_heads, head_dim)
         if self.write_rows.numel() != batch * seq:
             k_new, v_new = k_new[self.write_rows], v_new[self.write_rows]
+        flat = self._layer_flat[layer]
         if self.scale_pools is not None:
-            return self._update_quantized(layer, k_new, v_new, num_kv_heads, head_dim)
-        k_pool.index_copy_(0, self.write_slots, k_new.to(k_pool.dtype))
-        v_pool.index_copy_(0, self.write_slots, v_new.to(v_pool.dtype))
-        shape = (*self.gather_slots.shape, num_kv_heads, head_dim)  # [B, L, Hkv, D]
-        k_all = k_pool.index_select(0, self._flat_slots).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
-        v_all = v_pool.index_select(0, self._flat_slots).view(shape).transpose(1, 2)
+            return self._update_quantized(layer, view, flat, k_new, v_new, num_kv_heads, head_dim)
+        k_pool.index_copy_(0, view.write_slots, k_new.to(k_pool.dtype))
+        v_pool.index_copy_(0, view.write_slots, v_new.to(v_pool.dtype))
+        shape = (*view.gather_slots.shape, num_kv_heads, head_dim)  # [B, L, Hkv, D]
+        k_all = k_pool.index_select(0, flat).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
+        v_all = v_pool.index_select(0, flat).view(shape).transpose(1, 2)
         return k_all, v_all
 
     def _update_quantized(
-        self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, num_kv_heads: int, head_dim: int
+        self, layer: int, view: KVGroupView, flat: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+        num_kv_heads: int, head_dim: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.scale_pools is not None and self.kv_format is not None
-        shape = (*self.gather_slots.shape, num_kv_heads, head_dim)  # [B, L, Hkv, D]
+        shape = (*view.gather_slots.shape, num_kv_heads, head_dim)  # [B, L, Hkv, D]
         out = []
         for pool, scales, new in ((self.k_pools[layer], self.scale_pools[0][layer], k_new),
                                   (self.v_pools[layer], self.scale_pools[1][layer], v_new)):
             codes, scale = quantize_kv(new, self.kv_format)  # [N, Hkv, D], [N, Hkv, 1]
             # one-byte codes are moved as their bytes: CPU index_copy_ has no float8 kernel (torch 2.13)
-            pool.index_copy_(0, self.write_slots, codes.view(pool.dtype))
-            scales.index_copy_(0, self.write_slots, scale)
-            gathered = pool.index_select(0, self._flat_slots).view(codes.dtype)
-            got = dequantize_kv(gathered, scales.index_select(0, self._flat_slots), self.dtype)
+            pool.index_copy_(0, view.write_slots, codes.view(pool.dtype))
+            scales.index_copy_(0, view.write_slots, scale)
+            gathered = pool.index_select(0, flat).view(codes.dtype)
+            got = dequantize_kv(gathered, scales.index_select(0, flat), self.dtype)
             out.append(got.view(shape).transpose(1, 2))  # [B, Hkv, L, D]
         return out[0], out[1]
 
@@ -240,7 +261,10 @@ class ModelRunner:
         max_model_len: int | None = None,
         num_state_slots: int = 0,
         kv_cache_dtype: str = "auto",
+        num_sliding_blocks: int | None = None,
     ) -> None:
+        """num_sliding_blocks: the sliding-window layers get pools of their own with this many blocks,
+        paged by the Batch's `sliding_block_ids` (engine/kv_groups.py); None: they share `block_ids`."""
         cfg = model.config
         self.model = model
         self.block_size = block_size
@@ -249,20 +273,30 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         # one slot past the last block: where a compiled decode's padding rows write their K/V
         self.scratch_slot = num_blocks * block_size
-        shape = (num_blocks * block_size + 1, cfg.num_kv_heads, cfg.head_dim)
         kv_layers = set(cfg.kv_layers)
         self.kv_format = kv_format_of(kv_cache_dtype)
         pool_dtype = (torch.int8 if self.kv_format == "int8" else torch.uint8) if self.kv_format else self.dtype
+        sliding = {i for i in kv_layers if cfg.window(i)}
+        self.window = cfg.sliding_window if sliding else None
+        self.num_sliding_blocks = num_sliding_blocks if sliding else None
+        self.sliding_scratch_slot = (num_sliding_blocks or num_blocks) * block_size
+        # the attention types with K/V, in a fixed order: each is one KV cache group's view per forward
+        self._kv_types = sorted({cfg.layer_types[i] for i in kv_layers})
 
-        def kv_pools(pool_shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
-            # recurrent layers keep no K/V: an empty pool keeps the list indexed by layer
-            return [self._pool(pool_shape if i in kv_layers else (0,), dtype) for i in range(cfg.num_layers)]
+        def kv_pools(tail: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+            def shape(i: int) -> tuple[int, ...]:
+                if i not in kv_layers:
+                    return (0,)  # recurrent layers keep no K/V: an empty pool keeps the list indexed by layer
+                slots = self.sliding_scratch_slot if i in sliding else self.scratch_slot
+                return (slots + 1, *tail)
+            return [self._pool(shape(i), dtype) for i in range(cfg.num_layers)]
 
-        self.k_pools, self.v_pools = kv_pools(shape, pool_dtype), kv_pools(shape, pool_dtype)
+        self.k_pools = kv_pools((cfg.num_kv_heads, cfg.head_dim), pool_dtype)
+        self.v_pools = kv_pools((cfg.num_kv_heads, cfg.head_dim), pool_dtype)
         self.scale_pools: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         if self.kv_format:  # one fp32 scale per (token, head) beside the codes
-            sshape = (*shape[:2], 1)
-            self.scale_pools = (kv_pools(sshape, torch.float32), kv_pools(sshape, torch.float32))
+            self.scale_pools = (kv_pools((cfg.num_kv_heads, 1), torch.float32),
+                                kv_pools((cfg.num_kv_heads, 1), torch.float32))
         # recurrent layers: one state slot per running request (+1 scratch slot for padding rows)
         self.num_state_slots = num_state_slots
         self.state_pools = {
@@ -293,12 +327,16 @@ class ModelRunner:
         return torch.zeros(shape, dtype=dtype or self.dtype, device=self.device)
 
     @staticmethod
-    def kv_bytes_per_block(model: torch.nn.Module, block_size: int, kv_cache_dtype: str = "auto") -> int:
-        """K and V bytes of one block over all layers (with a quantized cache: codes + fp32 scales)."""
+    def kv_bytes_per_block(
+        model: torch.nn.Module, block_size: int, kv_cache_dtype: str = "auto", layers: Sequence[int] | None = None
+    ) -> int:
+        """K + V bytes of one block over `layers` (default: every layer with K/V; with a quantized cache:
+        codes + fp32 scales)."""
         cfg = model.config
         fmt = kv_format_of(kv_cache_dtype)
         per_elem = 1.0 + 4.0 / cfg.head_dim if fmt else float(next(model.parameters()).element_size())
-        return int(2 * len(cfg.kv_layers) * block_size * cfg.num_kv_heads * cfg.head_dim * per_elem)
+        num_layers = len(cfg.kv_layers if layers is None else layers)
+        return int(2 * num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * per_elem)
 
     @staticmethod
     def state_shapes(model: torch.nn.Module) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -410,40 +448,52 @@ class ModelRunner:
         self, seqs: list[ScheduledSeq], positions: torch.Tensor, num_keys: int | None = None
     ) -> PagedKVCache:
         """Write and gather slots for `positions` [Bp, S] (rows past len(seqs), position -1, are padding:
-        they write to the scratch slot and see no key); L = num_keys, or the longest context."""
-        bs = self.block_size
+        they write to the scratch slot and see no key), one view per KV cache group. Full-attention
+        layers gather L = num_keys keys, or the longest context; sliding-window layers gather only the
+        keys some query of the row can see (from num_computed - W + 1 on), bucketed when num_keys is."""
         context = torch.tensor([s.context_len for s in seqs])  # [B]
-        num_keys = num_keys or int(context.max())
-        pad = positions.shape[0] - len(seqs)
-        max_blocks = max(-(-num_keys // bs), max(len(s.block_ids) for s in seqs))
-        tables = torch.tensor([list(s.block_ids) + [0] * (max_blocks - len(s.block_ids)) for s in seqs])
-        j = torch.arange(num_keys)
-        gather_slots = tables[:, j // bs] * bs + j % bs  # [B, L]
-        valid = j[None, :] < context[:, None]
-        key_positions = torch.where(valid, j[None, :], -1)
-        gather_slots = torch.where(valid, gather_slots, 0)
+        computed = torch.tensor([s.num_computed_tokens for s in seqs])  # [B]
         pos = positions[: len(seqs)].cpu()
-        write_slots = tables.gather(1, pos // bs) * bs + pos % bs  # [B, S]; every new token is valid
-        if pad:
-            gather_slots = torch.cat([gather_slots, gather_slots.new_zeros(pad, num_keys)])
-            key_positions = torch.cat([key_positions, key_positions.new_full((pad, num_keys), -1)])
-            write_slots = torch.cat([write_slots, write_slots.new_full((pad, positions.shape[1]), self.scratch_slot)])
+        pad = positions.shape[0] - len(seqs)
+        views = {}
+        for t in self._kv_types:
+            sliding = t == "sliding_attention"
+            own = sliding and self.num_sliding_blocks is not None
+            tables = [s.sliding_block_ids if own else s.block_ids for s in seqs]
+            scratch = self.sliding_scratch_slot if own else self.scratch_slot
+            views[t] = self._group_view(tables, context, computed, pos, self.window if sliding else None,
+                                        num_keys, pad, scratch)
         dev = self.device
         state_slots = None
         if self.state_pools:
             assert self.state_slot_of is not None
             slots = [self.state_slot_of(s.request_id) for s in seqs] + [self.num_state_slots] * pad
             state_slots = torch.tensor(slots, device=dev)
-        return PagedKVCache(
-            self.k_pools,
-            self.v_pools,
-            write_slots.reshape(-1).to(dev),
-            torch.arange(write_slots.numel(), device=dev),
-            gather_slots.to(dev),
-            key_positions.to(dev),
-            state_pools=self.state_pools,
-            state_slots=state_slots,
-            scale_pools=self.scale_pools,
-            kv_format=self.kv_format,
-            dtype=self.dtype,
-        )
+        num_new = positions.numel()
+        return PagedKVCache(self.k_pools, self.v_pools, views, self.model.config.layer_types,
+                            torch.arange(num_new, device=dev), self.state_pools, state_slots,
+                            scale_pools=self.scale_pools, kv_format=self.kv_format, dtype=self.dtype)
+
+    def _group_view(
+        self, tables: list[tuple[int, ...]], context: torch.Tensor, computed: torch.Tensor, pos: torch.Tensor,
+        window: int | None, num_keys: int | None, pad: int, scratch: int,
+    ) -> KVGroupView:
+        bs = self.block_size
+        lo = (computed - window + 1).clamp(min=0) if window else torch.zeros_like(computed)  # first visible key
+        num_gathered = int((context - lo).max())
+        if num_keys is not None:  # compiled decode: the key length is a bucket
+            num_gathered = num_keys if window is None else bucket_up(num_gathered, self.key_buckets)
+        max_blocks = max(len(t) for t in tables)
+        table = torch.tensor([list(t) + [0] * (max_blocks - len(t)) for t in tables])  # [B, blocks]
+        key_pos = lo[:, None] + torch.arange(num_gathered)  # [B, L]
+        valid = key_pos < context[:, None]
+        at = torch.minimum(key_pos, context[:, None] - 1)  # invalid keys read a real slot, then are masked
+        gather_slots = torch.where(valid, table.gather(1, at // bs) * bs + at % bs, 0)
+        key_positions = torch.where(valid, key_pos, -1)
+        write_slots = table.gather(1, pos // bs) * bs + pos % bs  # [B, S]; every new token is valid
+        if pad:
+            gather_slots = torch.cat([gather_slots, gather_slots.new_zeros(pad, num_gathered)])
+            key_positions = torch.cat([key_positions, key_positions.new_full((pad, num_gathered), -1)])
+            write_slots = torch.cat([write_slots, write_slots.new_full((pad, pos.shape[1]), scratch)])
+        dev = self.device
+        return KVGroupView(write_slots.reshape(-1).to(dev), gather_slots.to(dev), key_positions.to(dev))

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from firstlight.core.batch import Batch, ScheduledSeq
+from firstlight.engine.kv_groups import SlidingWindowGroups
 from firstlight.engine.kv_manager import KVCacheManager
 from firstlight.engine.request import Request, RequestStatus
 
@@ -45,7 +46,7 @@ class SchedulerConfig:
 class Scheduler:
     """Moves Requests between waiting, running, preempted and finished; emits one Batch per step."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager | SlidingWindowGroups) -> None:
         self.config = config
         self.kv = kv
         self.requests: dict[str, Request] = {}
@@ -172,8 +173,8 @@ class Scheduler:
                 num_tokens=num_new[r.request_id],
                 num_computed_tokens=r.num_computed_tokens,
                 num_prompt_tokens=r.num_prompt_tokens,
-                block_ids=tuple(self.kv.block_tables[r.request_id]),
                 num_spec_tokens=len(r.spec_token_ids),
+                **self.kv.seq_block_ids(r.request_id),
             )
             for r in self.running
             if r.request_id in num_new
@@ -261,6 +262,8 @@ class Scheduler:
                 self._finish(request, status)
             elif seq.num_spec_tokens:
                 self.kv.trim(request.request_id, request.num_tokens)
+            if status is None:
+                self.kv.release_out_of_window(request)
             if new_tokens:
                 touched.append(request)
         return touched

@@ -95,7 +95,7 @@ def _run(model: str, quantization: str, corpus: str, max_tokens: int, window: in
 @app.command()
 def ppl(
     model: str = MODEL,
-    quantization: str = typer.Option("none", help="none, int8, int4, fp8, kv-int8, kv-fp8 (KV cache), a comma list, or 'all'."),
+    quantization: str = typer.Option("none", help="none, int8, int4, fp8, w8a8, kv-int8, kv-fp8 (KV cache), a comma list, or 'all'."),
     corpus: str = CORPUS,
     max_tokens: int = MAX_TOKENS,
     window: int = WINDOW,
@@ -117,7 +117,7 @@ def ppl(
 @app.command("kl")
 def kl_cmd(
     model: str = MODEL,
-    quantization: str = typer.Option(..., help="int8, int4, fp8, kv-int8, kv-fp8 (KV cache), a comma list, or 'all'."),
+    quantization: str = typer.Option(..., help="int8, int4, fp8, w8a8, kv-int8, kv-fp8 (KV cache), a comma list, or 'all'."),
     corpus: str = CORPUS,
     max_tokens: int = MAX_TOKENS,
     window: int = WINDOW,
@@ -134,6 +134,6 @@ def kl_cmd(
     from firstlight.errors import FirstlightError
 
     if not _formats(quantization):
-        raise FirstlightError("--quantization must name a format (int8, int4, fp8 or 'all'), not 'none'")
+        raise FirstlightError("--quantization must name a format (int8, int4, fp8, w8a8 or 'all'), not 'none'")
     _run(model, quantization, corpus, max_tokens, window, stride, dtype, threads, group_size, skip_lm_head, True, as_json,
          method, calibration)

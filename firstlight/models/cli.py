@@ -65,7 +65,7 @@ def generate(
     seed: int = typer.Option(0, help="Sampling seed."),
     chat: bool = typer.Option(False, help="Apply the tokenizer's chat template to the prompt."),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
-    quantization: str = typer.Option("none", help="Weight quantization: none, int8, int4, fp8."),
+    quantization: str = typer.Option("none", help="Weight quantization: none, int8, int4, fp8, w8a8."),
     threads: int = typer.Option(0, help="torch threads (0 = torch's default)."),
 ) -> None:
     """Generate a completion with our own implementation and stream it to stdout."""

@@ -15,7 +15,8 @@ so a chunked prefill carries the state from chunk to chunk, as attention layers 
 
 `positions[b, s]` is the absolute position of new token s of row b, or -1 for padding.
 `key_positions[b, j]` is the absolute position of key j in the tensors `update` returns, or -1 where
-that slot holds no key. The model builds its masks from (positions, key_positions, sliding window),
+that slot holds no key. A cache that gathers different keys for different layer types (the engine's
+paged cache gathers only the window for sliding-window layers) returns a dict {layer type: [B, L_t]}. The model builds its masks from (positions, key_positions, sliding window),
 so a cache is free to lay memory out as it likes: contiguous (below), or paged blocks gathered
 through a block table (the engine's cache).
 """

@@ -307,7 +307,7 @@ class CausalLM(nn.Module):
         """
         cache = NoCache() if cache is None else cache
         x = self.embed(input_ids)  # x: [B, S, E]
-        key_positions = cache.begin(positions)  # [B, L]
+        key_positions = cache.begin(positions)  # [B, L] (or per layer type)
         rope = self.rope_tables(positions, x.dtype)
         masks = self.masks(positions, key_positions, allow_shortcuts=True)
         for layer in self.layers[:num_layers]:
@@ -347,11 +347,15 @@ class CausalLM(nn.Module):
         return per_type
 
     def masks(
-        self, positions: torch.Tensor, key_positions: torch.Tensor, allow_shortcuts: bool = False
+        self, positions: torch.Tensor, key_positions: torch.Tensor | dict[str, torch.Tensor],
+        allow_shortcuts: bool = False,
     ) -> dict[str, torch.Tensor | str | None]:
         """Attention mask per layer type (full or sliding), built once per forward; always boolean
-        tensors unless allow_shortcuts (see attention_mask)."""
+        tensors unless allow_shortcuts (see attention_mask). key_positions may differ per layer type
+        (a dict): a paged cache gathers only the window's keys for sliding layers."""
         cfg = self.config
         window = {t: cfg.sliding_window if t == "sliding_attention" else None for t in self.inv_freq}
-        masks = {t: attention_mask(positions, key_positions, window[t], allow_shortcuts) for t in self.inv_freq}
+        def keys(t: str) -> torch.Tensor:
+            return key_positions[t] if isinstance(key_positions, dict) else key_positions
+        masks = {t: attention_mask(positions, keys(t), window[t], allow_shortcuts) for t in self.inv_freq}
         return self._alias_state_layers(masks)

@@ -1,4 +1,4 @@
-"""Quantization: weight formats (int8, int4, fp8) registered by name, whole-model quantization with
+"""Quantization: weight formats (int8, int4, fp8, w8a8) registered by name, whole-model quantization with
 a report, and a quantized KV cache. See docs/QUANT.md for the kernel each format runs per device."""
 
 from firstlight.quant.kv import (

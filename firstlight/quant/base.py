@@ -20,8 +20,12 @@ class QuantizedModule(nn.Module):
         """The weight [N, K] this layer effectively multiplies by, in fp32."""
         raise NotImplementedError
 
+    def opaque_bytes(self) -> int:
+        """Weight bytes held outside tensors (a kernel's prepacked weight object)."""
+        return 0
+
     def storage_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.buffers())
+        return sum(t.numel() * t.element_size() for t in self.buffers()) + self.opaque_bytes()
 
 
 def resolve_compute_dtype(name: str, device: torch.device, model_dtype: torch.dtype, cpu_default: torch.dtype) -> torch.dtype:

@@ -28,7 +28,7 @@ CHUNK_TOKENS = 512
 EVAL_TEXT = "hamlet-sample"  # the quality gate's text: never used for calibration
 # Best measured method per format on SmolLM2-135M (docs/QUANT.md): int4 stays round-to-nearest
 # because min/max groups of 32 recover that model's Q4_1 source grid exactly.
-DEFAULT_METHODS = {"int8": "gptq", "fp8": "gptq", "int4": "rtn"}
+DEFAULT_METHODS = {"int8": "gptq", "fp8": "gptq", "int4": "rtn", "w8a8": "gptq"}
 GPTQ_OPTIONS = {"block_size": 128, "damp": 0.01}
 CACHE_VERSION = 1
 
@@ -116,13 +116,24 @@ def calibrate_layers(
     out = {}
     for n in names:
         linear = model.get_submodule(n)
-        res = gptq_quantize(linear.weight, hessians.pop(n), grid, **GPTQ_OPTIONS)
+        hessian = hessians.pop(n)
+        exact = qfmt.exact_channels(hessian)
+        if exact is not None:
+            # exact channels carry no rounding error: GPTQ sees them as dead inputs (no error flows in
+            # or out of them), and the layer gets their original weights back
+            hessian[exact, :] = 0.0
+            hessian[:, exact] = 0.0
+        res = gptq_quantize(linear.weight, hessian, grid, **GPTQ_OPTIONS)
         on_grid = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
                             device=param.device, dtype=linear.weight.dtype)
         on_grid.weight.copy_(res.weight.to(linear.weight.dtype))
+        params = res.params
+        if exact is not None:
+            on_grid.weight[:, exact] = linear.weight[:, exact]
+            params = (*params, exact)
         if linear.bias is not None:
             on_grid.bias.copy_(linear.bias)
-        out[n] = qfmt.quantize_linear(on_grid, res.params)
+        out[n] = qfmt.quantize_linear(on_grid, params)
     seconds = time.perf_counter() - t0
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -25,19 +25,20 @@ from firstlight.quant.registry import QuantFormat, QuantizationError, register_f
 QMAX = 127.0
 
 
-def int8_scales(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """One symmetric scale per row of w [N, K]: max |W[n, :]| / 127, rounded to the dtype the
+def int8_scales(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32, qmax: float = QMAX) -> torch.Tensor:
+    """One symmetric scale per row of w [N, K]: max |W[n, :]| / qmax (127), rounded to the dtype the
     kernel stores it in (so codes are chosen against the scale the kernel will really use)."""
-    return (w.detach().float().abs().amax(dim=1) / QMAX).clamp(min=1e-12).to(scale_dtype).float()
+    return (w.detach().float().abs().amax(dim=1) / qmax).clamp(min=1e-12).to(scale_dtype).float()
 
 
 def quantize_per_channel_int8(
-    w: torch.Tensor, scale: torch.Tensor | None = None, scale_dtype: torch.dtype = torch.float32
+    w: torch.Tensor, scale: torch.Tensor | None = None, scale_dtype: torch.dtype = torch.float32,
+    qmax: float = QMAX,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (Q [N, K] int8, scale [N] fp32), symmetric, one scale per row (given or fitted)."""
+    """w [N, K] -> (Q [N, K] int8 in -qmax..qmax, scale [N] fp32), symmetric, one scale per row (given or fitted)."""
     w32 = w.detach().float()
-    scale = int8_scales(w32, scale_dtype) if scale is None else scale.float()
-    q = torch.round(w32 / scale[:, None]).clamp(-QMAX, QMAX).to(torch.int8)
+    scale = int8_scales(w32, scale_dtype, qmax) if scale is None else scale.float()
+    q = torch.round(w32 / scale[:, None]).clamp(-qmax, qmax).to(torch.int8)
     return q, scale
 
 
@@ -46,15 +47,15 @@ class Int8ChannelGrid:
 
     group_size = None
 
-    def __init__(self, scale_dtype: torch.dtype = torch.float32) -> None:
-        self.scale_dtype = scale_dtype
+    def __init__(self, scale_dtype: torch.dtype = torch.float32, qmax: float = QMAX) -> None:
+        self.scale_dtype, self.qmax = scale_dtype, qmax
 
     def fit(self, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return (int8_scales(w, self.scale_dtype),)
+        return (int8_scales(w, self.scale_dtype, self.qmax),)
 
     def round(self, w: torch.Tensor, params: tuple[torch.Tensor, ...]) -> torch.Tensor:
         s = params[0][:, None]
-        return torch.round(w / s).clamp(-QMAX, QMAX) * s
+        return torch.round(w / s).clamp(-self.qmax, self.qmax) * s
 
 
 class Int8WeightOnlyLinear(QuantizedModule):

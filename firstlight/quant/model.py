@@ -1,7 +1,7 @@
 """Quantize a whole model: swap its nn.Linear (and optionally nn.Embedding) modules for quantized
 ones, in place, and report what changed and the weight bytes before and after.
 
-    report = quantize_model(model, "int8")           # or "int4", "fp8", with format options
+    report = quantize_model(model, "int8")           # or "int4", "fp8", "w8a8", with format options
     report = quantize_model(model, "int8", method="gptq", calibration_ids=ids)   # see gptq.py
     print(report.summary())
 
@@ -95,11 +95,12 @@ def model_weight_bytes(model: nn.Module) -> int:
             continue
         seen.add(ptr)
         total += t.untyped_storage().nbytes()
-    return total
+    return total + sum(m.opaque_bytes() for m in model.modules() if isinstance(m, QuantizedModule))
 
 
 def _tensor_bytes(module: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+    opaque = module.opaque_bytes() if isinstance(module, QuantizedModule) else 0
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()]) + opaque
 
 
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -148,7 +149,7 @@ def quantize_model(
     tied = head is not None and emb_mod is not None and head.weight is emb_mod.weight
     head_choice = "none" if skip_lm_head else lm_head
     if head_choice == "auto":
-        head_choice = "int8" if tied and qfmt.name != "int8" and not skip_embeddings else "same"
+        head_choice = "int8" if tied and qfmt.int8_tied_head and qfmt.name != "int8" and not skip_embeddings else "same"
     head_fmt = get_format("int8", compute_dtype=getattr(qfmt, "compute_dtype", "auto")) if head_choice == "int8" else qfmt
     kept = set(skip) | ({"lm_head"} if head_choice == "none" else set())
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in kept}
@@ -164,8 +165,10 @@ def quantize_model(
     report.weight_bytes_before = model_weight_bytes(model)
     report.skipped = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Embedding)
                             and n not in linears and n not in embeddings)
-    # GPTQ for the layers inside the blocks; the (tied) head and the embedding stay round-to-nearest.
-    calibrated = [n for n in linears if n != "lm_head"] if method == "gptq" else []
+    # GPTQ for the layers inside the blocks; a head that shares the embedding's int8 codes and the
+    # embedding stay round-to-nearest (a head of its own, as w8a8 keeps, is calibrated too).
+    own_head = head_choice == "same" and not qfmt.int8_tied_head
+    calibrated = [n for n in linears if n != "lm_head" or own_head] if method == "gptq" else []
     with torch.no_grad():
         replaced: dict[str, nn.Module] = {}
         if calibrated:

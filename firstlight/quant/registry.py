@@ -17,7 +17,7 @@ from torch import nn
 from firstlight.errors import FirstlightError
 
 # Modules that define (and register) the built-in formats; imported on first lookup.
-_FORMAT_MODULES = ("firstlight.quant.int8", "firstlight.quant.int4", "firstlight.quant.fp8")
+_FORMAT_MODULES = ("firstlight.quant.int8", "firstlight.quant.int4", "firstlight.quant.fp8", "firstlight.quant.w8a8")
 _FORMATS: dict[str, type[QuantFormat]] = {}
 
 
@@ -30,6 +30,8 @@ class QuantFormat:
 
     name: ClassVar[str]
     summary: ClassVar[str]
+    # lm_head="auto" on a tied head: int8 weight-only, sharing the embedding's int8 codes (see quant/model.py)
+    int8_tied_head: ClassVar[bool] = True
 
     def __init__(self, **opts: Any) -> None:
         if opts:
@@ -45,6 +47,11 @@ class QuantFormat:
     def quantize_linear(self, linear: nn.Linear, params: tuple[torch.Tensor, ...] | None = None) -> nn.Module:
         """The quantized layer; `params` are grid parameters chosen by a calibrated method (GPTQ)."""
         raise NotImplementedError
+
+    def exact_channels(self, hessian: torch.Tensor) -> torch.Tensor | None:
+        """Input channels a calibrated method keeps out of the grid (exact), chosen from the layer's
+        calibration Hessian; they reach `quantize_linear` as the last of `params`. None: none."""
+        return None
 
     def grid(self, device: torch.device, dtype: torch.dtype) -> Any:
         """The rounding grid GPTQ works on (gptq.Grid); formats without one cannot be calibrated."""

@@ -25,7 +25,7 @@ def verify(
     ppl_tokens: int = typer.Option(256, help="Tokens of the bundled text for perplexity (0: skip)."),
     tolerance: Path | None = typer.Option(None, help="JSON tolerance overrides (see docs/VERIFY.md)."),
     threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
-    quantization: str = typer.Option("none", help="Quantize our model first: none, int8, int4, fp8."),
+    quantization: str = typer.Option("none", help="Quantize our model first: none, int8, int4, fp8, w8a8."),
     decode_steps: int = typer.Option(
         2, help="Serving path: one-token decode steps through the target's KV cache after a chunked prefill (0: none)."),
     batch_path: bool = typer.Option(

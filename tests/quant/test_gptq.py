@@ -20,6 +20,7 @@ GRIDS = {
     "fp8": lambda: FP8Grid(),
     "fp8-block32": lambda: FP8Grid(group_size=32),
     "int4": lambda: Int4GroupGrid(32, torch.bfloat16),
+    "w8a8": lambda: Int8ChannelGrid(torch.float32, qmax=63),
 }
 
 
@@ -94,7 +95,8 @@ def _ids(n: int = 96) -> list[int]:
     return [(7 * i + 3) % 50 + 1 for i in range(n)]
 
 
-def test_gptq_model_is_closer_than_rtn_and_cache_round_trips(tiny_dirs, tmp_path):
+@pytest.mark.parametrize("fmt", ["int4", "w8a8"])
+def test_gptq_model_is_closer_than_rtn_and_cache_round_trips(tiny_dirs, tmp_path, fmt):
     ref, _ = load_model(tiny_dirs["llama"], with_tokenizer=False)
     ids = torch.tensor([_ids()])
     with torch.no_grad():
@@ -102,7 +104,7 @@ def test_gptq_model_is_closer_than_rtn_and_cache_round_trips(tiny_dirs, tmp_path
     errs, outs = {}, {}
     for run, method in (("rtn", "rtn"), ("gptq", "gptq"), ("cached", "gptq")):
         model, _ = load_model(tiny_dirs["llama"], with_tokenizer=False)
-        report = quantize_model(model, "int4", method=method, calibration_ids=_ids() if method == "gptq" else None,
+        report = quantize_model(model, fmt, method=method, calibration_ids=_ids() if method == "gptq" else None,
                                 calibration_name="test", cache_dir=tmp_path)
         assert report.method == method
         with torch.no_grad():
@@ -111,7 +113,7 @@ def test_gptq_model_is_closer_than_rtn_and_cache_round_trips(tiny_dirs, tmp_path
         if run == "cached":
             assert "cached" in report.calibration
         elif run == "gptq":
-            assert "GPTQ" in report.calibration and len(list(tmp_path.glob("gptq-int4-*.safetensors"))) == 1
+            assert "GPTQ" in report.calibration and len(list(tmp_path.glob(f"gptq-{fmt}-*.safetensors"))) == 1
     assert errs["gptq"] < errs["rtn"]
     torch.testing.assert_close(outs["cached"], outs["gptq"], rtol=0, atol=0)
 

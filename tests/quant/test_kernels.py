@@ -164,3 +164,66 @@ def test_fp8_block_size_errors():
         get_format("fp8", block_size=32, kernel="scaled_mm")
     with pytest.raises(QuantizationError, match="multiple of block_size"):
         get_format("fp8", block_size=32).quantize_linear(_linear(8, 48))
+
+
+@pytest.mark.parametrize("weight_bits", [7, 8])
+def test_w8a8_equals_exact_integer_arithmetic_per_token(weight_bits):
+    """fbgemm's result is the exact int32 sum of per-token int8 activations x per-channel int8 weights
+    (no vpmaddubsw saturation with one side at 7 bits), scaled back; fp32 output rounding only."""
+    lin = _linear(96, 64)
+    q = get_format("w8a8", weight_bits=weight_bits).quantize_linear(lin)
+    qw, qx = (63, 127) if weight_bits == 7 else (127, 63)
+    codes, scale = quantize_per_channel_int8(lin.weight, qmax=qw)
+    assert int(codes.abs().max()) == qw and torch.equal(q.weight_scale, scale)
+    assert torch.equal(q.dequantized_weight(), codes.float() * scale[:, None])
+    x = torch.randn(3, 5, 64) * torch.linspace(0.1, 4, 64)  # per-channel spread, like real activations
+    s = x.abs().amax(-1, keepdim=True) / qx
+    xq = torch.round(x / s)
+    exact = (xq.double() @ codes.double().t()) * s.double() * scale.double() + lin.bias.double()
+    out = q(x)
+    assert out.shape == (3, 5, 96) and out.dtype == torch.float32
+    assert torch.allclose(out.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+    assert _rel(out, lin(x)) < 0.05
+
+
+def test_w8a8_token_result_does_not_depend_on_its_batch():
+    lin = _linear(64, 128)
+    q = get_format("w8a8").quantize_linear(lin)
+    x = torch.randn(6, 128)
+    big = torch.cat([x[:1], 100 * torch.randn(5, 128)])  # companions with a far larger range
+    assert torch.equal(q(x[:1]), q(big)[:1])  # per-token scales: same codes, same result
+
+
+def test_w8a8_state_dict_round_trip_carries_the_codes():
+    lin = _linear(32, 64)
+    q = get_format("w8a8").quantize_linear(lin)
+    state = q.state_dict()
+    assert state["qweight"].dtype == torch.int8 and state["qweight"].shape == (32, 64)
+    other = get_format("w8a8").quantize_linear(_linear(32, 64, seed=1))
+    other.load_state_dict(state)
+    x = torch.randn(4, 64)
+    assert torch.equal(other(x), q(x))
+    assert q.storage_bytes() == 32 * 64 + 4 * 32 + 4 * 32  # codes + scales + bias
+
+
+def test_w8a8_exact_channels_are_multiplied_in_fp32():
+    """Outlier input channels (LLM.int8()) leave the int8 GEMM: their contribution is exact, the rest's
+    per-token scale no longer sees them."""
+    lin = _linear(48, 64)
+    exact = torch.tensor([3, 17])
+    scale = quantize_per_channel_int8(lin.weight.index_fill(1, exact, 0.0), qmax=63)[1]
+    q = get_format("w8a8").quantize_linear(lin, (scale, exact))
+    x = torch.randn(5, 64)
+    x[:, exact] *= 50  # outliers: they would take the whole int8 range of every token
+    plain = get_format("w8a8").quantize_linear(lin)
+    assert _rel(q(x), lin(x)) < _rel(plain(x), lin(x)) / 3
+    w = q.dequantized_weight()
+    assert torch.equal(w[:, exact], lin.weight[:, exact])
+    rest = x.index_fill(1, exact, 0.0)
+    s = rest.abs().amax(-1, keepdim=True) / 127
+    codes = torch.round(lin.weight.index_fill(1, exact, 0.0) / scale[:, None]).clamp(-63, 63)
+    ref = (torch.round(rest / s) @ codes.t()) * s * scale + x[:, exact] @ lin.weight[:, exact].t() + lin.bias
+    assert torch.allclose(q(x), ref, rtol=1e-5, atol=1e-4)
+    state = q.state_dict()  # a plain (RTN) layer takes the calibrated one's exact channels from its state
+    plain.load_state_dict(state)
+    assert torch.equal(plain(x), q(x))

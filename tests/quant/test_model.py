@@ -20,11 +20,12 @@ from firstlight.quant import (
 )
 from firstlight.quant.base import QuantizedModule
 from firstlight.quant.int8 import Int8Embedding
+from firstlight.quant.w8a8 import W8A8Linear
 
-FORMATS = ["int8", "int4", "fp8"]
+FORMATS = ["int8", "int4", "fp8", "w8a8"]
 
 
-def test_registry_lists_the_three_formats():
+def test_registry_lists_the_four_formats():
     assert set(list_formats()) == set(FORMATS)
 
 
@@ -38,7 +39,7 @@ def test_quantize_model_replaces_every_linear_and_shrinks_weights(tiny_dirs, fmt
     assert sum(layer.kind == "linear" for layer in report.layers) == num_linear
     assert [layer.name for layer in report.layers if layer.kind == "embedding"] == ["embed_tokens"]
     assert report.weight_bytes_before == before and report.weight_bytes_after == model_weight_bytes(model)
-    assert report.compression > {"int8": 3.0, "fp8": 3.0, "int4": 3.5}[fmt]
+    assert report.compression > {"int8": 3.0, "fp8": 3.0, "int4": 3.5, "w8a8": 3.0}[fmt]
     assert report.kernel and report.skipped == []
     assert fmt in report.summary()
 
@@ -65,6 +66,19 @@ def test_tied_int8_head_shares_codes_with_embedding(tiny_dirs):
     assert report.weight_bytes_after == linears + norms
 
 
+def test_tied_w8a8_head_is_w8a8_and_bytes_count_the_packed_weights(tiny_dirs):
+    model, _ = load_model(tiny_dirs["qwen2"], with_tokenizer=False)
+    vocab, hidden = model.embed_tokens.weight.shape
+    report = quantize_model(model, "w8a8")
+    assert isinstance(model.lm_head, W8A8Linear) and isinstance(model.embed_tokens, Int8Embedding)
+    head = next(layer for layer in report.layers if layer.name == "lm_head")
+    assert head.bytes_after == vocab * hidden + 4 * vocab  # int8 codes in fbgemm's pack + fp32 scales
+    # the packed weights are not tensors: model_weight_bytes still counts them
+    linears = sum(layer.bytes_after for layer in report.layers)
+    norms = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert report.weight_bytes_after == model_weight_bytes(model) == linears + norms
+
+
 def test_int8_embedding_lookup_matches_dequantized_rows(tiny_dirs):
     model, _ = load_model(tiny_dirs["llama"], with_tokenizer=False)
     emb = model.embed_tokens
@@ -75,7 +89,7 @@ def test_int8_embedding_lookup_matches_dequantized_rows(tiny_dirs):
     assert bool(((q(ids) - emb(ids)).abs() <= step[ids][..., None] / 2 + 1e-6).all())
 
 
-@pytest.mark.parametrize("fmt,max_kl", [("int8", 0.02), ("fp8", 0.05), ("int4", 0.5)])
+@pytest.mark.parametrize("fmt,max_kl", [("int8", 0.02), ("fp8", 0.05), ("int4", 0.5), ("w8a8", 0.05)])
 def test_quantized_model_logits_stay_close(tiny_dirs, fmt, max_kl):
     model, _ = load_model(tiny_dirs["llama"], with_tokenizer=False)
     ids = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
@@ -119,6 +133,8 @@ def test_unknown_format_and_bad_options_are_clear_errors(tiny_dirs):
         get_format("int8", group_size=32)
     with pytest.raises(QuantizationError, match="act_scaling"):
         get_format("fp8", act_scaling="channel")
+    with pytest.raises(QuantizationError, match="weight_bits must be one of"):
+        get_format("w8a8", weight_bits=4)
 
 
 def test_already_quantized_model_is_refused(tiny_dirs):

@@ -1,0 +1,353 @@
+"""firstlight's server next to the servers a CPU user would otherwise run, one at a time, same threads,
+same client (`firstlight bench run`), same workloads; every figure next to its roofline bound.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/servers.py --model smollm2-135m --threads 2 --out /tmp/servers
+
+Servers (each optional; a missing one is reported with the reason and skipped):
+  firstlight-{fp32,int8,int4,w8a8}  `firstlight serve --quantization ...` (int8/w8a8: GPTQ, from its cache)
+  hf-serve                          `transformers serve --continuous-batching` (fp32)
+  llama-cpp                         llama-cpp-python's server on the GGUF `models pull` fetched (`make bench-peers`)
+
+Workloads (through `python -m firstlight.cli bench run`, streaming completions, random token prompts):
+  single    1 request at a time, prompt 128, 128 output tokens: decode tok/s = 1000 / median TPOT, TTFT
+  closed    closed loop at c = 1, 8, 32: 32 requests (c=1: --num-requests-c1), prompt 128, 32 output tokens
+  poisson   Poisson arrivals swept over --rates, lognormal prompt (median 128) and output (median 32)
+            lengths (sigma 0.5), goodput at --slo
+
+Forcing the output length: firstlight gets `ignore_eos`; llama-cpp-python's server drops that field
+silently, so it gets `min_tokens` = max_tokens; `transformers serve` rejects it (422), so it gets
+`generation_config` with min_new_tokens = max_new_tokens (its completions endpoint reads that field).
+The table reports the mean output tokens each server really produced (counted with the model's
+tokenizer over the streamed text, so a token or two off from the server's own count).
+llama-cpp-python runs `--interrupt_requests False` (by default a new request cuts the stream running).
+
+Bounds (roofline, Williams et al. 2009), per server from its own weight format and kernel: a decode step
+of batch c costs max(weight bytes / copy bandwidth, c x 2 x matmul params FLOPs / GEMM rate of the kernel
+at M = c), a prompt of 128 tokens 128 x 2 x params / GEMM rate at M = 128; rates and bandwidth measured in
+this process before the servers start, with the same thread count. llama.cpp's kernels are not measured
+here: its bound uses the GGUF's bytes and the int8 GEMM rate (the Q4_1 x Q8_1 dot products it runs are
+int8 multiply-adds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from _common import copy_bandwidth_gbs, median_time
+
+PY = sys.executable
+PROMPT_LEN, CLOSED_OUT, SINGLE_OUT = 128, 32, 128
+
+
+@dataclass
+class Server:
+    name: str
+    cmd: list[str]
+    model_name: str  # what requests send as "model"
+    kernel: str  # key into the measured GEMM rates
+    weight_bytes: int
+    length_by: str = "ignore_eos"  # how the output length is forced: ignore_eos | min_tokens | generation_config
+    extra_body: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)
+    missing: str | None = None  # why it cannot run here
+    workloads: tuple[str, ...] | None = None  # None: all that were asked for
+
+
+# ---- measured rates ------------------------------------------------------------------------------
+def kernel_rates(ms: tuple[int, ...], k: int = 576, n: int = 1536) -> dict[str, dict[int, float]]:
+    """GFLOP/s of each kernel at [M, K] x [K, N] (SmolLM2's MLP shape), M in ms."""
+    from firstlight.quant import get_format
+
+    lin = torch.nn.Linear(k, n, bias=False).requires_grad_(False)
+    layers = {"fp32": lin, **{f: get_format(f).quantize_linear(lin) for f in ("int8", "int4", "w8a8")}}
+    out: dict[str, dict[int, float]] = {}
+    with torch.inference_mode():
+        for name, layer in layers.items():
+            out[name] = {}
+            for m in ms:
+                x = torch.randn(m, k)
+                calls = max(1, int(5e7 // (2 * m * k * n)))
+                def run(layer=layer, x=x, calls=calls) -> None:
+                    for _ in range(calls):
+                        layer(x)
+                run()
+                out[name][m] = 2 * m * k * n * calls / median_time(run, 5) / 1e9
+    return out
+
+
+def bound_tok_s(weight_bytes: int, params: int, bw_gbs: float, rate: dict[int, float], c: int,
+                output_len: int, prompt_len: int = PROMPT_LEN) -> float:
+    """Output tok/s of a closed loop of c requests (prompt, output_len) no server can beat here."""
+    step_s = max(weight_bytes / (bw_gbs * 1e9), c * 2 * params / (rate[c] * 1e9))
+    prefill_s = prompt_len * 2 * params / (rate[PROMPT_LEN] * 1e9)  # per request
+    return c * output_len / (output_len * step_s + c * prefill_s)
+
+
+# ---- the servers ---------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def servers(args: argparse.Namespace, port: int) -> list[Server]:
+    from firstlight.models import hub
+    from firstlight.models.loader import load_model
+    from firstlight.quant import apply_quantization, model_weight_bytes
+
+    path = hub.resolve(args.model)
+    out = []
+    base = [PY, "-m", "firstlight.cli", "serve", "--model", args.model, "--host", "127.0.0.1", "--port", str(port),
+            "--threads", str(args.threads), "--max-num-seqs", "32"]
+    for fmt in ("fp32", "int8", "int4", "w8a8"):
+        if f"firstlight-{fmt}" not in args.servers and not (fmt == "fp32" and "hf-serve" in args.servers):
+            continue
+        model, tok = load_model(path)
+        apply_quantization(model, None if fmt == "fp32" else fmt, tokenizer=tok)  # GPTQ results come from cache
+        out.append(Server(f"firstlight-{fmt}", base + ["--quantization", "none" if fmt == "fp32" else fmt],
+                          args.model, fmt, model_weight_bytes(model)))
+        del model
+    if "firstlight-int4-compiled" in args.servers:  # single stream and startup only (graphs built on first use)
+        int4 = next(s for s in out if s.kernel == "int4") if any(s.kernel == "int4" for s in out) else None
+        wb = int4.weight_bytes if int4 else 0
+        out.append(Server("firstlight-int4-compiled", base + ["--quantization", "int4", "--compile-decode"],
+                          args.model, "int4", wb, workloads=("single",)))
+    hf = Server("hf-serve", ["transformers", "serve", "--continuous-batching", "--device", "cpu", "--dtype", "float32",
+                             "--host", "127.0.0.1", "--port", str(port), str(path)],
+                str(path), "fp32", 0, length_by="generation_config")
+    hf.weight_bytes = next((s.weight_bytes for s in out if s.kernel == "fp32"), 0)
+    hf.cmd[0] = str(Path(PY).with_name("transformers"))
+    if not Path(hf.cmd[0]).exists():
+        hf.missing = f"{hf.cmd[0]} not found (pip install transformers[serving])"
+    out.append(hf)
+    gguf = Path(args.gguf_dir) / hub.KNOWN_MODELS[args.model].gguf_name if args.model in hub.KNOWN_MODELS else None
+    ll = Server("llama-cpp", [PY, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+                              "--port", str(port), "--n_threads", str(args.threads), "--n_threads_batch",
+                              str(args.threads), "--n_ctx", "4096", "--model_alias", args.model,
+                              "--interrupt_requests", "False"],  # default: a new request cuts the running stream
+                args.model, "int8", 0, length_by="min_tokens")
+    if importlib.util.find_spec("llama_cpp") is None:
+        ll.missing = "llama-cpp-python is not installed (make bench-peers builds it)"
+    elif gguf is None:
+        ll.missing = f"{args.model} has no GGUF in the hub"
+    else:
+        if not gguf.is_file():
+            gguf.parent.mkdir(parents=True, exist_ok=True)
+            hub.obtain_gguf(hub.KNOWN_MODELS[args.model], gguf.parent)
+        ll.weight_bytes = gguf.stat().st_size
+    out.append(ll)
+    return [s for s in out if s.name in args.servers]
+
+
+def start(server: Server, threads: int, port: int, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(Path(__file__).parents[1]), **server.env}
+    proc = subprocess.Popen(server.cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 900:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{server.name} exited with {proc.returncode}; see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(1)
+    stop(proc)
+    raise RuntimeError(f"{server.name} did not answer /v1/models in 900 s; see {log}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def bench(server: Server, port: int, out: Path, tokenizer: str, bench_root: str, *extra: str) -> dict:
+    cmd = [PY, "-m", "firstlight.cli", "bench", "run", "--url", f"http://127.0.0.1:{port}", "--model",
+           server.model_name, "--tokenizer", tokenizer, "--out", str(out), "--no-plots", "--seed", "0",
+           "--ignore-eos" if server.length_by == "ignore_eos" else "--no-ignore-eos", *extra]
+    if server.extra_body:
+        cmd += ["--extra-body", json.dumps(server.extra_body)]
+    subprocess.run(cmd, cwd=bench_root, check=False, capture_output=True, text=True, timeout=3600)
+    path = out / "result.json"
+    return json.loads(path.read_text())["metrics"] if path.is_file() else {"error": "no result.json"}
+
+
+def first_request_s(server: Server, port: int) -> float:
+    """Wall time of one completion of 2 tokens (a prefill and one decode step)."""
+    body = {"model": server.model_name, "prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                 {"content-type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=1800) as r:
+        r.read()
+    return time.perf_counter() - t0
+
+
+def force_length(server: Server, n: int) -> None:
+    if server.length_by == "generation_config":  # transformers serve rejects ignore_eos; it reads this field
+        server.extra_body = {"generation_config": json.dumps({"min_new_tokens": n, "max_new_tokens": n,
+                                                              "do_sample": False})}
+    elif server.length_by == "min_tokens":  # llama-cpp-python ignores ignore_eos; it has min_tokens
+        server.extra_body = {"min_tokens": n}
+
+
+def run_server(server: Server, args: argparse.Namespace, port: int, out: Path) -> dict:
+    res: dict = {"name": server.name}
+    t0 = time.perf_counter()
+    proc = start(server, args.threads, port, out / f"{server.name}.log")
+    res["startup_s"] = time.perf_counter() - t0
+    tok = str(args.tokenizer)
+    workloads = [w for w in args.workloads if server.workloads is None or w in server.workloads]
+    try:
+        res["first_request_s"] = first_request_s(server, port)  # prefill + 1 decode step (compiles, if it does)
+        res["second_request_s"] = first_request_s(server, port)
+        common = ["--input-len", str(PROMPT_LEN)]
+        if "single" in workloads:
+            force_length(server, SINGLE_OUT)
+            res["single"] = bench(server, port, out / server.name / "single", tok, args.bench_root, *common,
+                                  "--output-len", str(SINGLE_OUT), "--concurrency", "1", "--num-requests", "3",
+                                  "--warmup-requests", "1")
+        if "closed" in workloads:
+            force_length(server, CLOSED_OUT)
+            for c in args.concurrency:
+                n = args.num_requests_c1 if c == 1 else args.num_requests
+                res[f"c{c}"] = bench(server, port, out / server.name / f"c{c}", tok, args.bench_root, *common,
+                                     "--output-len", str(CLOSED_OUT), "--concurrency", str(c), "--num-requests",
+                                     str(n), "--warmup-requests", "1")
+        if "poisson" in workloads:
+            server.extra_body = {}
+            for rate in args.rates:
+                res[f"rate{rate}"] = bench(server, port, out / server.name / f"rate{rate}", tok, args.bench_root,
+                                           "--input-len", "lognormal:128:0.5", "--output-len", "lognormal:32:0.5",
+                                           "--rate", str(rate), "--arrival", "poisson", "--num-requests",
+                                           str(args.poisson_requests), "--slo", args.slo, "--timeout", "600")
+    finally:
+        stop(proc)
+    return res
+
+
+def fmt(x: float | None, nd: int = 1) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--servers", default="firstlight-fp32,firstlight-int8,firstlight-int4,firstlight-w8a8,"
+                    "firstlight-int4-compiled,hf-serve,llama-cpp")
+    ap.add_argument("--workloads", default="single,closed,poisson")
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--num-requests-c1", type=int, default=8)
+    ap.add_argument("--rates", default="0.5,1,2")
+    ap.add_argument("--poisson-requests", type=int, default=24)
+    ap.add_argument("--slo", default="ttft=2s,tpot=250ms")
+    ap.add_argument("--gguf-dir", default=str(Path.home() / ".cache" / "firstlight" / "gguf"))
+    ap.add_argument("--bench-root", default=str(Path(__file__).parents[1]),
+                    help="repository root whose `firstlight bench` client runs the workloads")
+    ap.add_argument("--out", default="/tmp/firstlight-servers")
+    args = ap.parse_args()
+    args.servers = args.servers.split(",")
+    args.workloads = args.workloads.split(",")
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.rates = [float(r) for r in args.rates.split(",")]
+    torch.set_num_threads(args.threads)
+    from firstlight.models import hub
+    from firstlight.models.loader import load_model
+
+    args.tokenizer = hub.resolve(args.model)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model, _ = load_model(args.tokenizer, with_tokenizer=False)
+    params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    del model
+    bw = copy_bandwidth_gbs()
+    rates = kernel_rates(tuple(sorted({1, PROMPT_LEN, *args.concurrency})))
+    port = free_port()
+    load0 = os.getloadavg()
+    results, skipped = [], {}
+    for server in servers(args, port):
+        if server.missing:
+            skipped[server.name] = server.missing
+            print(f"skip {server.name}: {server.missing}", flush=True)
+            continue
+        print(f"running {server.name} ...", flush=True)
+        try:
+            r = run_server(server, args, port, out)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            skipped[server.name] = str(e)
+            print(f"  failed: {e}", flush=True)
+            continue
+        r["kernel"], r["weight_bytes"] = server.kernel, server.weight_bytes
+        results.append(r)
+        (out / "servers.json").write_text(json.dumps({"results": results, "skipped": skipped}, indent=1))
+    load1 = os.getloadavg()
+    summary = {"model": args.model, "threads": args.threads, "copy_bandwidth_gbs": bw, "gemm_gflops": rates,
+               "matmul_params": params, "load_average": [load0, load1], "results": results, "skipped": skipped,
+               "slo": args.slo}
+    (out / "servers.json").write_text(json.dumps(summary, indent=1))
+    print_tables(summary, args)
+
+
+def print_tables(s: dict, args: argparse.Namespace) -> None:
+    bw, rates, params = s["copy_bandwidth_gbs"], s["gemm_gflops"], s["matmul_params"]
+    la = s["load_average"]
+    print(f"\n{s['model']}, {s['threads']} threads; copy bandwidth {bw:.1f} GB/s; GEMM GFLOP/s at M=1/"
+          f"{'/'.join(str(c) for c in args.concurrency)}/128: " + "; ".join(
+              f"{k} " + "/".join(f"{v[m]:.0f}" for m in sorted(v)) for k, v in rates.items())
+          + f"; load average {la[0][0]:.1f} before, {la[1][0]:.1f} after, on {os.cpu_count()} CPUs")
+    print("\n| server | weights MB | decode tok/s (bound) | TTFT ms | " + " | ".join(
+        f"c={c} tok/s (bound)" for c in args.concurrency) + " | out tok/req | start s | 1st / 2nd request s |")
+    print("|---|---:|---:|---:|" + "---:|" * len(args.concurrency) + "---:|---:|---:|")
+    for r in s["results"]:
+        rate = {int(k): v for k, v in rates[r["kernel"]].items()}
+        wb = r["weight_bytes"]
+        single = r.get("single", {})
+        dec = single.get("tokens_per_s_per_user")
+        dec_bound = 1 / max(wb / (bw * 1e9), 2 * params / (rate[1] * 1e9))
+        cells = []
+        outs = []
+        for c in args.concurrency:
+            m = r.get(f"c{c}", {})
+            cells.append(f"{fmt(m.get('output_throughput'))} ({bound_tok_s(wb, params, bw, rate, c, CLOSED_OUT):.0f})")
+            outs.append(fmt((m.get("output_tokens") or {}).get("mean"), 0))
+        ttft = (single.get("ttft_ms") or {}).get("median")
+        print(f"| {r['name']} | {wb / 1e6:.0f} | {fmt(dec)} ({dec_bound:.0f}) | {fmt(ttft, 0)} | " + " | ".join(cells)
+              + f" | {'/'.join(outs)} | {r['startup_s']:.0f} | {fmt(r.get('first_request_s'), 2)} / "
+              f"{fmt(r.get('second_request_s'), 2)} |")
+    rate_keys = [k for k in (s["results"][0] if s["results"] else {}) if k.startswith("rate")]
+    if rate_keys:
+        print(f"\nPoisson arrivals, lognormal lengths; goodput (req/s meeting {s['slo']}) / output tok/s / errors")
+        print("| server | " + " | ".join(f"{k[4:]} req/s" for k in rate_keys) + " |")
+        print("|---|" + "---|" * len(rate_keys))
+        for r in s["results"]:
+            cells = []
+            for k in rate_keys:
+                m = r.get(k, {})
+                cells.append(f"{fmt(m.get('goodput'), 2)} / {fmt(m.get('output_throughput'))} / {m.get('num_errors', '-')}")
+            print(f"| {r['name']} | " + " | ".join(cells) + " |")
+    for name, why in s["skipped"].items():
+        print(f"skipped {name}: {why}")
+
+
+if __name__ == "__main__":
+    main()

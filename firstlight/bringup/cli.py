@@ -137,10 +137,13 @@ def _run(model: str, chip: str, goal, budget: int, perf_budget: int, out: Path, 
                         base_overrides=load_overrides(overrides) if overrides else Overrides(),
                         prompt_ids=ids[1000:1000 + prompt_tokens], ppl_ids=ids, seed=seed)
 
+    printed: set[int] = set()
+
     def progress(state) -> None:
         runbook.write(out, state, model)
         it = state.iterations[-1] if state.iterations else None
-        if it:
+        if it and it["run"] not in printed:
+            printed.add(it["run"])
             rem = (it.get("remedy") or {}).get("description", "")
             after = it["after"]
             con.print(f"[{it['run']:>2}] {it['phase']:<11} {rem or '-':<48} -> {it.get('outcome') or ('met' if after['met'] else 'fails')}"

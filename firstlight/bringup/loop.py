@@ -139,6 +139,8 @@ class BringupState:
     overrides: dict[str, Any] = field(default_factory=dict)  # base rules + kept candidates' rules
     tried: dict[str, list[str]] = field(default_factory=dict)  # signature -> candidate keys tried
     iterations: list[dict[str, Any]] = field(default_factory=list)
+    # performance candidates not run: the spec predicts them no faster than what is kept (description, ms)
+    skipped: list[dict[str, Any]] = field(default_factory=list)
     phase: str = "correctness"  # correctness | performance | done
     status: str = "running"  # running | met | budget_spent | no_remedy | interrupted
     final: dict[str, Any] = field(default_factory=dict)
@@ -280,6 +282,12 @@ class BringupLoop:
                 if spent >= self.cfg.perf_budget:
                     return current
                 trial_kept = kept[:i] + ([v] if v is not None else []) + kept[i + 1:]
+                priced = self.price(trial_kept, current)
+                if priced is not None and current.cost_ms is not None and priced >= current.cost_ms - 1e-9:
+                    # the spec says it saves nothing (e.g. a later rule overrides it): not worth a verify run
+                    self.state.skipped.append({"description": (v or cand).description, "change": "remove" if v is None
+                                               else "cheapen", "predicted_ms": priced, "current_ms": current.cost_ms})
+                    continue
                 trial = self.evaluate(trial_kept)
                 spent += 1
                 better = trial.met and trial.cost_ms is not None and current.cost_ms is not None \
@@ -293,6 +301,24 @@ class BringupLoop:
                 if better:
                     break
         return current
+
+    def price(self, kept: list[R.Candidate], current: Evaluation) -> float | None:
+        """The spec-predicted ms per request of `kept`, priced on the current run's trace (no model run);
+        None when it cannot be priced that way (a change of what runs on the host changes the trace)."""
+        from firstlight.targets.emulated_cost import predict
+
+        model = current.target._model
+        overrides = self.overrides(kept)
+
+        def placement(rules: list[Any]) -> list[Any]:
+            return [r for r in rules if r.fallback or r.decompose]
+
+        if model is None or current.result is None or placement(overrides.rules) != placement(
+                current.target.overrides.rules):
+            return None
+        trial = EmulatedTarget(chip=self.cfg.chip, overrides=overrides, seed=self.cfg.seed)
+        pred = predict(model, trial.spec, trial.site_numerics, current.target.last_forward)
+        return pred["prefill_ms"] + DECODE_TOKENS * pred["decode_step_ms"]
 
     # ---- records ------------------------------------------------------------------------------------
     def _record(self, sig: Signature, cand: R.Candidate, outcome: str, before: Evaluation, after: Evaluation) -> None:

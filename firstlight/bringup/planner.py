@@ -2,9 +2,11 @@
 
 A planner is any object with `rank(signature, candidates, info) -> candidates in trial order`.
 `PlaybookPlanner` orders by past success for similar signatures (same signature key first, then
-same kind; the same chip, vendor and model family weigh more), then by scope (a local failure tries
-the failing module first, a widespread one the whole model), then by the remedy's cost rank and
-registry order, so with an empty playbook the cheapest plausible remedy goes first.
+same kind; the same chip, vendor and model family weigh more), then by fit (a remedy that directly answers
+the signature's kind, e.g. a wider accumulator for an accumulation error, before one that helps only as
+a side effect, e.g. a higher fidelity or an upcast module), then by scope (a local failure tries the
+failing module first, a widespread one the whole model), then by the remedy's cost rank and registry
+order, so with an empty playbook the cheapest direct remedy goes first.
 """
 
 from __future__ import annotations
@@ -36,12 +38,13 @@ class PlaybookPlanner:
         self.playbook = playbook
 
     def rank(self, sig: Signature, candidates: list[Candidate], info: RunInfo, spread: float = 0.0) -> list[Candidate]:
-        """Playbook score first; when most units fail (spread > 0.5) the failure is not local, so model-wide
-        candidates go before ones scoped to the failing module; then cost rank, then registry order."""
-        def key(ic: tuple[int, Candidate]) -> tuple[float, int, int, int]:
+        """Playbook score first, then direct remedies before side-effect ones; when most units fail
+        (spread > 0.5) the failure is not local, so model-wide candidates go before ones scoped to the
+        failing module; then cost rank, then registry order."""
+        def key(ic: tuple[int, Candidate]) -> tuple[float, int, int, int, int]:
             i, c = ic
             score = self.playbook.score(c.remedy, sig.key(), sig.kind, info.chip, info.vendor, info.family)
             scoped = any(r.module is not None for r in c.rules)
-            return (-score, int(scoped) if spread > 0.5 else int(not scoped), c.cost_rank, i)
+            return (-score, int(not c.primary), int(scoped) if spread > 0.5 else int(not scoped), c.cost_rank, i)
 
         return [c for _, c in sorted(enumerate(candidates), key=key)]

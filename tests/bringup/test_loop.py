@@ -70,7 +70,8 @@ def test_a_remedy_that_makes_things_worse_is_reverted(tiny_checkpoint, failing_c
         "from firstlight.bringup.remedies import Candidate, Remedy, register, rule\n"
         "def propose(sig, ctx):\n"
         "    return [Candidate('bfp2_everything', (rule(matmul={'b_format': 'bfp2_b'}),), 'bfp2 weights', cost_rank=-1)]\n"
-        "register(Remedy('bfp2_everything', ('op_class', 'accumulation'), propose, cost='none'))\n")
+        "register(Remedy('bfp2_everything', ('op_class', 'accumulation'), propose, cost='none',"
+        "                primary=('op_class', 'accumulation')))\n")
     assert R.load_file(bad) == ["bfp2_everything"]
     state = _loop(tiny_checkpoint("llama", seed=3), failing_chip, tmp_path / "out", tmp_path / "pb.json",
                   budget=5).run()
@@ -121,3 +122,24 @@ def test_unwritable_out_exits_2(tmp_path, tiny_dirs_bringup):
 @pytest.fixture
 def tiny_dirs_bringup(tiny_checkpoint) -> Path:
     return tiny_checkpoint("llama", seed=3)
+
+
+def test_performance_phase_prices_a_candidate_before_running_it(tiny_checkpoint, failing_chip, tmp_path):
+    """A cheaper variant that a later rule overrides is priced no faster and costs no verify run."""
+    loop = _loop(tiny_checkpoint("llama", seed=3), failing_chip, tmp_path / "out", tmp_path / "pb.json")
+    host = R.Candidate("host_fallback", (R.rule(module="rotary", fallback="host"),), "rotary on the host")
+    hifi4, lofi = (R.Candidate("raise_fidelity", (R.rule(matmul={"fidelity": f}),), f) for f in ("hifi4", "lofi"))
+    current = loop.evaluate([host, hifi4])
+    assert current.result is not None and current.cost_ms is not None
+    assert loop.price([host, hifi4], current) == pytest.approx(current.cost_ms)
+    assert loop.price([host, lofi], current) < current.cost_ms  # LoFi: one pass instead of four
+    assert loop.price([host, lofi, hifi4], current) == pytest.approx(current.cost_ms)  # hifi4 wins
+    assert loop.price([hifi4], current) is None  # no host rotary: the trace changes, it must run
+    # kept [host, hifi4, lofi]: lofi is in force, so removing it (hifi4 again) and removing or cheapening
+    # hifi4 (overridden by lofi) are all priced no faster and skipped; only removing the host rotary runs
+    current = loop.evaluate([host, hifi4, lofi])
+    runs, loop.cfg.perf_budget = loop.runs, 3
+    loop._performance([host, hifi4, lofi], current)
+    skipped = {(s["change"], s["description"]) for s in loop.state.skipped}
+    assert {("remove", "lofi"), ("remove", "hifi4")} <= skipped
+    assert loop.runs == runs + 1 and loop.state.iterations[-1]["remedy"]["description"] == "rotary on the host"

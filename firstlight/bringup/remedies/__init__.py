@@ -14,7 +14,7 @@ import importlib.util
 import pkgutil
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ class Candidate:
     rules: tuple[OverrideRule, ...]
     description: str
     cost_rank: int = 1  # 0 free .. 3 expensive: the order when the playbook knows nothing
+    primary: bool = False  # the remedy is the direct answer to the signature's kind (set by `candidates`)
 
     @property
     def key(self) -> str:
@@ -60,6 +61,9 @@ class Remedy:
     propose: Propose
     cost: str  # the known cost, in words (runbook and docs)
     cheaper: Cheaper | None = None
+    # the kinds it is the direct answer to (an accumulation error -> a wider accumulator), tried before
+    # the remedies that answer the kind only as a side effect (a higher fidelity, an upcast module)
+    primary: tuple[str, ...] = ()
 
 
 REGISTRY: dict[str, Remedy] = {}
@@ -104,7 +108,7 @@ def candidates(sig: Signature, ctx: RemedyContext) -> list[Candidate]:
     out: list[Candidate] = []
     for r in load_builtin().values():
         if sig.kind in r.kinds:
-            out.extend(r.propose(sig, ctx))
+            out.extend(replace(c, primary=sig.kind in r.primary) for c in r.propose(sig, ctx))
     return out
 
 

@@ -15,4 +15,4 @@ def propose(sig, ctx):
 
 
 register(Remedy("decompose", ("op_not_lowered", "op_class"), propose,
-                cost="a few more kernels per call (the ops it is made of)"))
+                cost="a few more kernels per call (the ops it is made of)", primary=("op_not_lowered",)))

@@ -19,4 +19,4 @@ def propose(sig, ctx):
 
 
 register(Remedy("exact_transcendental", ("op_class", "non_finite", "unit_composition"), propose,
-                cost="the accurate vector-unit path: ~2-4x the cycles of the approximation for that op"))
+                cost="the accurate vector-unit path: ~2-4x the cycles of the approximation for that op", primary=("op_class", "non_finite")))

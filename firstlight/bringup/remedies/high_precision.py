@@ -20,4 +20,4 @@ def propose(sig, ctx):
 
 
 register(Remedy("high_precision", ("op_class", "unit_composition", "non_finite", "quality_only"), propose,
-                cost="that module's tensors twice as wide: small for norms and softmax, the LM head's bytes for the head"))
+                cost="that module's tensors twice as wide: small for norms and softmax, the LM head's bytes for the head", primary=("op_class", "non_finite")))

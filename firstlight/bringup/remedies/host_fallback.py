@@ -21,4 +21,4 @@ def propose(sig, ctx):
 
 
 register(Remedy("host_fallback", ("op_not_lowered", "op_class", "non_finite", "table_mismatch"), propose,
-                cost="a host round trip per call: 2 x link latency + the op's tensors over the host link"))
+                cost="a host round trip per call: 2 x link latency + the op's tensors over the host link", primary=("op_not_lowered",)))

@@ -27,4 +27,4 @@ def cheaper(c, ctx):
 
 
 register(Remedy("promote_more_often", ("accumulation",), propose, cheaper=cheaper,
-                cost="one fp32 add of the partial tile per interval (CUDA cores on Hopper): a few % of GEMM time"))
+                cost="one fp32 add of the partial tile per interval (CUDA cores on Hopper): a few % of GEMM time", primary=("accumulation",)))

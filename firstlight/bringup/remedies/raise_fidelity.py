@@ -31,4 +31,4 @@ def cheaper(c, ctx):
 
 
 register(Remedy("raise_fidelity", ("accumulation", "op_class", "unit_composition", "quality_only"), propose,
-                cost="matmul throughput / phases: HiFi2 halves LoFi's rate, HiFi4 quarters it", cheaper=cheaper))
+                cost="matmul throughput / phases: HiFi2 halves LoFi's rate, HiFi4 quarters it", cheaper=cheaper, primary=("op_class", "quality_only")))

@@ -19,4 +19,4 @@ def propose(sig, ctx):
 
 
 register(Remedy("recompute_table", ("table_mismatch", "position_divergence"), propose,
-                cost="once per forward: the table's size in fp32, or one host round trip"))
+                cost="once per forward: the table's size in fp32, or one host round trip", primary=("table_mismatch", "position_divergence")))

@@ -16,4 +16,4 @@ def propose(sig, ctx):
 
 
 register(Remedy("split_k", ("accumulation",), propose,
-                cost="an fp32 reduction of the split partials: one extra pass over the output per split"))
+                cost="an fp32 reduction of the split partials: one extra pass over the output per split", primary=("accumulation",)))

@@ -17,4 +17,4 @@ def propose(sig, ctx):
 
 
 register(Remedy("widen_accumulator", ("accumulation", "op_class", "unit_composition", "quality_only"), propose,
-                cost="on Tenstorrent, half the Dst register tiles (smaller matmul subblocks); elsewhere ~none"))
+                cost="on Tenstorrent, half the Dst register tiles (smaller matmul subblocks); elsewhere ~none", primary=("accumulation",)))

@@ -17,4 +17,4 @@ def propose(sig, ctx):
 
 
 register(Remedy("widen_activations", ("op_class", "unit_composition", "quality_only", "accumulation"), propose,
-                cost="the matmul runs at the wider format's rate (fp8 -> bf16 halves peak FLOPs)"))
+                cost="the matmul runs at the wider format's rate (fp8 -> bf16 halves peak FLOPs)", primary=("op_class",)))

@@ -37,4 +37,4 @@ def cheaper(c, ctx):
 
 
 register(Remedy("widen_weights", ("op_class", "unit_composition", "quality_only", "accumulation"), propose,
-                cheaper=cheaper, cost="weight bytes read per token grow with the format's bits (decode is bandwidth-bound)"))
+                cheaper=cheaper, cost="weight bytes read per token grow with the format's bits (decode is bandwidth-bound)", primary=("op_class", "quality_only")))

@@ -599,10 +599,10 @@ def sweep(model_name: str = MODEL,
                      num_replicas=replicas, slo_ttft_s=ttft, slo_tpot_s=tpot, precision=precision, stack=stack,
                      weight_dtype=weight_dtype, kv_dtype=kv_dtype, serve_kwargs={"cluster": cl} if cl else {})
     typer.echo(f"precision profile: {m.profile.describe()}; stack: {stack or 'default'}")
-    from firstlight.core.progress import status
+    from firstlight.core.progress import progress
 
-    with status(f"sim sweep: {len(points)} points"):  # a per-point bar needs a callback in sim/sweep.py
-        rows = run_sweep(points, spec, workers, ray or ray_address is not None, ray_address)
+    with progress("sim sweep", total=len(points), unit="points") as advance:
+        rows = run_sweep(points, spec, workers, ray or ray_address is not None, ray_address, advance)
     t = Table("hw", "tp", "pp", "rate", "devices", "p90 TTFT s", "p90 TPOT ms", "out tok/s", "$/1M out", "SLO",
               title=f"{model_name}: {len(rows)} points")
     for r in rows:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,8 +113,9 @@ def evaluate_many(points: list[SweepPoint], spec: SweepSpec) -> list[dict[str, A
     return [evaluate(p, spec) for p in points]
 
 
-def _evaluate_batch(args: tuple[list[SweepPoint], SweepSpec]) -> list[dict[str, Any]]:
-    return evaluate_many(*args)
+def _evaluate_batch(args: tuple[int, list[SweepPoint], SweepSpec]) -> tuple[int, list[dict[str, Any]]]:
+    i, points, spec = args
+    return i, evaluate_many(points, spec)
 
 
 def _batches(points: list[SweepPoint], num_workers: int) -> list[list[SweepPoint]]:
@@ -123,25 +125,36 @@ def _batches(points: list[SweepPoint], num_workers: int) -> list[list[SweepPoint
 
 
 def run_sweep(points: list[SweepPoint], spec: SweepSpec, workers: int | None = None,
-              use_ray: bool = False, ray_address: str | None = None) -> list[dict[str, Any]]:
-    """Evaluate every point; rows come back in the order of `points`.
+              use_ray: bool = False, ray_address: str | None = None,
+              advance: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+    """Evaluate every point; rows come back in the order of `points`. `advance(n)` is called as points
+    finish (per point in one process, per batch of points in a pool or on Ray): a progress bar's hook.
 
     Local: a `spawn` process pool of `workers` (default: CPU count). Ray: `ray_address` joins a running
     cluster (`ray://host:10001`, or `auto` for the one this machine belongs to); None starts a local one."""
+    advance = advance or (lambda n: None)
     if use_ray:
-        return _run_ray(points, spec, ray_address, workers)
+        return _run_ray(points, spec, ray_address, workers, advance)
     n = max(1, min(workers or os.cpu_count() or 1, len(points)))
     if n == 1:
-        return evaluate_many(points, spec)
+        rows = []
+        for p in points:
+            rows.append(evaluate(p, spec))
+            advance(1)
+        return rows
     import multiprocessing as mp
 
+    batches = _batches(points, n)
+    parts: list[list[dict[str, Any]]] = [[] for _ in batches]
     with mp.get_context("spawn").Pool(n) as pool:  # spawn: no forked state from the parent
-        parts = pool.map(_evaluate_batch, [(b, spec) for b in _batches(points, n)], chunksize=1)
+        for i, part in pool.imap_unordered(_evaluate_batch, [(i, b, spec) for i, b in enumerate(batches)]):
+            parts[i] = part
+            advance(len(part))
     return [row for part in parts for row in part]
 
 
 def _run_ray(points: list[SweepPoint], spec: SweepSpec, address: str | None, workers: int | None,
-             ) -> list[dict[str, Any]]:
+             advance: Callable[[int], None]) -> list[dict[str, Any]]:
     try:
         import ray
     except ImportError:
@@ -162,7 +175,15 @@ def _run_ray(points: list[SweepPoint], spec: SweepSpec, address: str | None, wor
         num = max(1, int(ray.cluster_resources().get("CPU", 1)))
         remote = ray.remote(evaluate_many)
         spec_ref = ray.put(spec)
-        parts = ray.get([remote.remote(b, spec_ref) for b in _batches(points, num)])
+        batches = _batches(points, num)
+        refs = [remote.remote(b, spec_ref) for b in batches]
+        index = {ref: i for i, ref in enumerate(refs)}
+        parts: list[list[dict[str, Any]]] = [[] for _ in batches]
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            parts[index[done[0]]] = ray.get(done[0])
+            advance(len(parts[index[done[0]]]))
     finally:
         if started:
             ray.shutdown()

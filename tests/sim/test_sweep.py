@@ -32,12 +32,16 @@ def test_pareto_front_and_best():
 def test_sweep_marks_what_does_not_fit_and_parallel_equals_serial():
     points = grid(["h100", "mi300x"], [1, 2], [1], [4.0])
     spec = SweepSpec("llama-3.1-70b", num_requests=60, prompt_len=256, output_len=32)
-    serial = run_sweep(points, spec, workers=1)
+    done: list[int] = []
+    serial = run_sweep(points, spec, workers=1, advance=done.append)
+    assert done == [1] * len(points)  # the progress hook: one call per finished point
     by = {(r["hw"], r["tp"]): r for r in serial}
     assert not by[("h100", 1)]["fits"] and "does not fit" in by[("h100", 1)]["reason"]
     assert by[("mi300x", 1)]["fits"]  # 192 GB holds 70B bf16
     assert by[("h100", 2)]["fits"] and by[("h100", 2)]["ttft_p90_s"] > 0
-    parallel = run_sweep(points, spec, workers=2)
+    done.clear()
+    parallel = run_sweep(points, spec, workers=2, advance=done.append)
+    assert sum(done) == len(points)
     for a, b in zip(serial, parallel, strict=True):
         assert {k: v for k, v in a.items() if k != "sim_wall_s"} == {k: v for k, v in b.items() if k != "sim_wall_s"}
 
@@ -82,7 +86,9 @@ def test_ray_sweep_equals_local_sweep():
     points = grid(["h100", "mi300x"], [1, 2], [1], [2.0, 8.0])
     spec = SweepSpec("llama-3.1-8b", num_requests=40, prompt_len=256, output_len=32)
     local = run_sweep(points, spec, workers=1)
-    on_ray = run_sweep(points, spec, workers=2, use_ray=True)
+    done: list[int] = []
+    on_ray = run_sweep(points, spec, workers=2, use_ray=True, advance=done.append)
+    assert sum(done) == len(points)
     strip = [{k: v for k, v in r.items() if k != "sim_wall_s"} for r in local]
     assert [{k: v for k, v in r.items() if k != "sim_wall_s"} for r in on_ray] == strip
     assert all(r["fits"] for r in local)

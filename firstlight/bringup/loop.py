@@ -32,7 +32,7 @@ from firstlight.bringup.planner import Planner, PlaybookPlanner, RunInfo
 from firstlight.bringup.playbook import GOOD, Entry, Playbook
 from firstlight.bringup.signatures import Context, Signature, classify
 from firstlight.errors import FirstlightError
-from firstlight.targets.base import OpNotLoweredError
+from firstlight.targets.base import OpNotLoweredError, TargetError
 from firstlight.targets.emulated import EmulatedTarget
 from firstlight.targets.overrides import OverrideRule, Overrides
 from firstlight.verify.harness import VerifyConfig, run_verify
@@ -212,6 +212,10 @@ class BringupLoop:
                              self.cfg.verify, ppl_ids=self.cfg.ppl_ids, reference=self.reference, model=model)
         except OpNotLoweredError as e:
             return Evaluation(None, str(e), classify(None, e, ctx), [str(e)], None, target, time.perf_counter() - t0)
+        except TargetError as e:  # the configuration cannot run (e.g. an override the chip's numerics reject)
+            if not kept:
+                raise  # the chip's own defaults: nothing the loop can remedy
+            return Evaluation(None, str(e), None, [str(e)], None, target, time.perf_counter() - t0)
         result = res.to_dict()
         unmet = self.cfg.goal.unmet(result)
         sig = classify(result, None, ctx) if unmet else None

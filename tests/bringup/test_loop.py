@@ -143,3 +143,17 @@ def test_performance_phase_prices_a_candidate_before_running_it(tiny_checkpoint,
     skipped = {(s["change"], s["description"]) for s in loop.state.skipped}
     assert {("remove", "lofi"), ("remove", "hifi4")} <= skipped
     assert loop.runs == runs + 1 and loop.state.iterations[-1]["remedy"]["description"] == "rotary on the host"
+
+
+def test_a_candidate_the_chip_cannot_run_is_an_error_not_a_crash(tiny_checkpoint, failing_chip, tmp_path):
+    """An override the chip's numerics reject (a promotion interval that is not a whole number of MMAs)
+    fails its verify run: the loop records `error`, reverts it and goes on."""
+    loop = _loop(tiny_checkpoint("llama", seed=3), failing_chip, tmp_path / "out", tmp_path / "pb.json")
+    host = R.Candidate("host_fallback", (R.rule(module="rotary", fallback="host"),), "rotary on the host")
+    bad = R.Candidate("split_k", (R.rule(matmul={"promotion_interval": 24}),), "K in 24s (mma_k is 16)")
+    before = loop.evaluate([host])
+    after = loop.evaluate([host, bad])
+    assert after.result is None and "promotion_interval 24" in (after.error or "")
+    from firstlight.bringup.loop import judge
+
+    assert judge(before, after) == "error"

@@ -10,9 +10,14 @@ def propose(sig, ctx):
         return []
     scope = scope_of(sig)
     op = packet(sig.op)
-    return [Candidate("split_k", (rule(module=scope, op=op, matmul={"promotion_interval": max(32, k // s)},
-                                       why=sig.describe()),), f"split K={k} in {s} ({scope})", cost_rank=2)
-            for s in (4,)]
+    # each split is a whole number of the chip's MMA depth (its narrow sum is rounded per MMA)
+    step = ctx.site(getattr(sig, "module", "") or "", op).matmul.mma_k or 32
+    out = []
+    for s in (4,):
+        interval = max(step, -(-k // s // step) * step)
+        out.append(Candidate("split_k", (rule(module=scope, op=op, matmul={"promotion_interval": interval},
+                                               why=sig.describe()),), f"split K={k} in {s} ({scope})", cost_rank=2))
+    return out
 
 
 register(Remedy("split_k", ("accumulation",), propose,

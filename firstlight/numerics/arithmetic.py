@@ -52,7 +52,9 @@ SRCA_ALL_MASK = 0xFFFFC000 - 2**32  # b: 9 mantissa bits (TF32's last bit ignore
 SRCB_HI_MASK = 0xFFFE0000 - 2**32  # a: sign, exponent, 1 + 6 mantissa bits
 SRCB_ALL_MASK = 0xFFFFE000 - 2**32  # a: 10 mantissa bits
 DEFAULT_MMA_K = 32  # one 32x32 tile of K when neither mma_k nor promotion_interval says otherwise
-MAX_PARTIAL_ELEMENTS = 1 << 25  # chunk partial products held at once (128 MiB of fp32)
+# chunk partial products held at once: 2 MiB of fp32, so a group of partials and the running sum stay in
+# the CPU's cache while they are summed (measured on the 2-core EPYC: 3-4x faster than 128 MiB groups)
+MAX_PARTIAL_ELEMENTS = 1 << 19
 
 
 @dataclass(frozen=True)
@@ -192,15 +194,20 @@ def _narrow_accumulate(
     fmt = get_format(numerics.accumulator)
     in_place = fmt.exp_bits == 8  # bf16 / tf32 / fp22: round the running sum in place
     cast_to = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(fmt.name) if numerics.rounding == "rne" else None
-    total = torch.zeros(out_shape, dtype=torch.float32, device=pairs[0][0].device)
-    acc = torch.zeros_like(total)
+    dev = pairs[0][0].device
+    total = torch.zeros(out_shape, dtype=torch.float32, device=dev)
+    # the running narrow sum; with torch's own cast it is held in that dtype and every step writes into
+    # preallocated buffers (no allocation, so no page faults, per chunk)
+    acc = torch.zeros(out_shape, dtype=cast_to or torch.float32, device=dev)
+    tmp = torch.empty(out_shape, dtype=torch.float32, device=dev) if cast_to is not None else None
     for start in range(0, num_chunks, group):
         stop = min(num_chunks, start + group)
         partials = [a[..., start:stop, :, :] @ b[..., start:stop, :, :] for a, b in split]  # [..., c, M, N]
         for c in range(stop - start):
             for p in partials:
-                if cast_to is not None:  # torch's own casts round to nearest even, like ours, faster
-                    acc = (p[..., c, :, :] + acc).to(cast_to)
+                if tmp is not None:  # torch's own casts round to nearest even, like ours, faster
+                    torch.add(p[..., c, :, :], acc, out=tmp)
+                    acc.copy_(tmp)
                 elif in_place:
                     acc.add_(p[..., c, :, :])
                     noise = Noise.draw(generator) if generator is not None else None
@@ -208,8 +215,8 @@ def _narrow_accumulate(
                 else:
                     acc = quantize(acc + p[..., c, :, :], fmt, rounding=numerics.rounding, generator=generator)
             if chunks_per_promotion and ((start + c + 1) % chunks_per_promotion == 0):
-                total = total + acc
-                acc = torch.zeros_like(acc)
+                total.add_(acc)
+                acc.zero_()
     return (total + acc) if chunks_per_promotion else acc.to(torch.float32)
 
 

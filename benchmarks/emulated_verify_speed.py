@@ -55,13 +55,14 @@ def main() -> None:
             return "eager"
         return f"emulate:{chip}" + (f",overrides={host}" if chip in ("wormhole-n300", "blackhole-p150") else "")
 
-    def verify(chip: str) -> tuple[float, float, str]:
+    def verify(chip: str) -> tuple[float, float, str, dict]:
         model, _ = load_model(path, with_tokenizer=False)
         target = get_target(spec_of(chip))
         t0, c0 = time.perf_counter(), time.process_time()
         res = run_verify(path, target, spec_of(chip), prompt, VerifyConfig(), ppl_ids=ppl_ids, reference=ref,
                          model=model, reference_cache=cache)
-        return time.perf_counter() - t0, time.process_time() - c0, res.verdict
+        phases = res.to_dict().get("timings_s") or {}
+        return time.perf_counter() - t0, time.process_time() - c0, res.verdict, phases
 
     names = ["eager", *args.chips.split(",")]
     verify("eager")  # warms the reference cache
@@ -70,11 +71,12 @@ def main() -> None:
     verdicts: dict[str, str] = {}
     for r in range(args.repeats):
         for n in names:
-            w, c, v = verify(n)
+            w, c, v, phases = verify(n)
             wall[n].append(w)
             cpu[n].append(c)
             verdicts[n] = v
-            print(f"repeat {r}: {n:<15} wall {w:7.1f} s  cpu {c:7.1f} s  {v}", flush=True)
+            split = ", ".join(f"{k} {t:.1f}" for k, t in phases.items())
+            print(f"repeat {r}: {n:<15} wall {w:7.1f} s  cpu {c:7.1f} s  {v}  ({split})", flush=True)
     load = os.getloadavg()[0]
     print(f"\n{args.model}, {torch.get_num_threads()} threads, {args.repeats} repeats, load average {load:.1f}\n")
     print("| target | verdict | wall s (median) | x eager | CPU s (median) | x eager | goal |")

@@ -59,6 +59,7 @@ differently from prefill, as real stacks do (different kernels for one-token ste
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -152,6 +153,7 @@ def unit_phase(key: str) -> str:
     return "decode" if key.split(":", 1)[0].startswith("decode") else "prefill"
 
 
+@functools.lru_cache(maxsize=4096)  # once per op object: dispatch modes ask on every call
 def op_name(op: Any) -> str:
     """'aten.rsqrt.default' for an OpOverload; the Python name for anything else."""
     if isinstance(op, torch._ops.OpOverload):

@@ -333,7 +333,7 @@ class EmulatedTarget(Target):
         self.ops_emulated[name] += 1
         if name in K.WEIGHT_MATMULS or name in K.ATTENTION_MATMULS:  # operands go to their own formats
             return K.run_matmul(name, args, kwargs, cfg, self._weights)
-        args = K.round_inputs(args, cfg.activation)
+        args = K.round_inputs(self._weights.held(args, cfg.activation), cfg.activation)
         if name == "aten._softmax":
             return K.run_softmax(args[0], args[1], self._impl(site.module, "aten.exp"),
                                  self._impl(site.module, "aten.reciprocal"), cfg.activation)

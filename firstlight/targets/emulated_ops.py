@@ -19,6 +19,7 @@ back to the activation format on return.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,7 @@ APPROX_OPS = {"aten.exp": "exp", "aten.reciprocal": "reciprocal", "aten.rsqrt": 
               "aten.log": "log"}
 
 
+@functools.lru_cache(maxsize=4096)  # once per op object: it is asked on every dispatch
 def packet(op: Any) -> str:
     """'aten.mm' for aten.mm.default (the name lowered_ops and overrides use)."""
     name = str(op)
@@ -136,6 +138,7 @@ class WeightCache:
     def __init__(self) -> None:
         self._cache: dict[tuple[Any, ...], PreparedWeight] = {}
         self._pinned: dict[int, torch.Tensor] = {}  # storage pointer -> a parameter holding it alive
+        self._rounded: dict[tuple[Any, ...], torch.Tensor] = {}  # parameters rounded to an activation format
 
     def pin(self, params: Any) -> None:
         for p in params:
@@ -152,6 +155,21 @@ class WeightCache:
             if ptr in self._pinned:
                 self._cache[key] = hit
         return hit
+
+    def held(self, args: Any, fmt: str) -> Any:
+        """`args` with the model's own parameters replaced by copies rounded to `fmt` once (an embedding
+        table or a norm weight read by an elementwise op), so they are not rounded again on every call."""
+        def one(t: torch.Tensor) -> torch.Tensor:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self._pinned or fmt == "fp32" or getattr(t, _HELD, None) == fmt:
+                return t
+            key = (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t._version, fmt)
+            hit = self._rounded.get(key)
+            if hit is None:
+                hit = self._rounded[key] = round_to(t, fmt)
+            return hit
+
+        return _map(args, one)
 
 
 def run_matmul(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], cfg: SiteNumerics,

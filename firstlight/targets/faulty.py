@@ -30,6 +30,7 @@ ops can be hit; elsewhere the model runs as plain eager PyTorch.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -50,6 +51,7 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
+@functools.lru_cache(maxsize=4096)
 def layer_of(module_path: str) -> int | None:
     m = _LAYER.search(module_path)
     return int(m.group(1)) if m else None

@@ -12,6 +12,15 @@ hyper-parameters and tokenizer as metadata. `gguf_to_checkpoint` dequantizes eve
 - gemma3: every `*norm.weight` was stored as (w + 1), since Gemma's RMSNorm multiplies by (1 + w)
   and llama.cpp's multiplies by w (`Gemma3Model.modify_tensors`, `norm_shift`); we subtract 1 in fp32.
 - qwen2 / qwen3 use HF's rope layout already (NEOX rope in llama.cpp): no permutation.
+- Mixture of experts (`Qwen2MoeModel.modify_tensors` for qwen2moe / qwen3moe, `LlamaModel.modify_tensors`
+  for Mixtral, which llama.cpp writes as arch llama with `llama.expert_count`): the per-expert HF
+  tensors were stacked into one [X, out, in] tensor per projection (`ffn_{gate,up,down}_exps`;
+  Mixtral's w1 / w3 / w2); we split them back into the per-expert files transformers writes
+  (`mlp.experts.{i}.gate_proj`, `block_sparse_moe.experts.{i}.w1`, ...). Mixtral's Q/K are permuted
+  as llama's. The router is `ffn_gate_inp`; Qwen2-MoE's shared expert is `ffn_{gate,up,down}_shexp`
+  behind `ffn_gate_inp_shexp` (stored 1-D by some quantizers; HF's is [1, E]). llama.cpp
+  renormalizes the top-k router weights for qwen3moe and not for qwen2moe (src/models/qwen*moe.cpp:
+  the `norm_w` argument of `build_moe_ffn`), which becomes `norm_topk_prob`.
 
 The tokenizer is rebuilt from the GGUF metadata by transformers' own GGUF tokenizer conversion
 (`AutoTokenizer.from_pretrained(dir, gguf_file=...)`), so it encodes exactly as transformers'
@@ -35,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from firstlight.errors import ModelLoadError, UnknownModelError
+from firstlight.models.hf_names import expert_file_names, router_file_name
 
 # GGUF `general.architecture` values we convert, and the HF model_type each becomes.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -43,7 +53,11 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "gemma3": "gemma3_text",
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
 }
+# llama with `llama.expert_count` > 0 is Mixtral; other architectures with experts are refused.
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}  # fmt: skip
 
@@ -68,6 +82,14 @@ _GEMMA3_BLOCK = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# MoE layers: the stacked experts (index into the family's (gate, up, down) file names) and the rest
+_EXPERTS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
+_SHARED_EXPERT = {
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
 _TOP_RE = re.compile(r"^(token_embd|output_norm|output)\.(weight|bias)$")
 
@@ -118,16 +140,37 @@ def read_metadata(reader: Any) -> dict[str, Any]:
 
 def _architecture(meta: dict[str, Any], path: Path) -> str:
     arch = meta.get("general.architecture")
+    num_experts = _expert_count(meta, arch)
+    supported = (
+        f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))} (Mixtral is llama with experts)"
+    )
     if arch not in SUPPORTED_ARCHITECTURES:
+        kind = f" (a mixture of experts: {arch}.expert_count = {num_experts})" if num_experts else ""
+        raise UnknownModelError(f"{path}: GGUF architecture '{arch}'{kind} is not supported; {supported}")
+    if num_experts and arch not in ("llama", "qwen2moe", "qwen3moe"):
         raise UnknownModelError(
-            f"{path}: GGUF architecture '{arch}' is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-        )
-    if int(meta.get(f"{arch}.expert_count") or 0) > 0:  # e.g. Mixtral, which llama.cpp writes as arch llama
-        raise UnknownModelError(
-            f"{path}: GGUF architecture '{arch}' with experts ({arch}.expert_count = {meta[f'{arch}.expert_count']}) "
-            "is not supported yet; convert the HF checkpoint instead (MoE families load from HF dirs)"
+            f"{path}: GGUF architecture '{arch}' with experts ({arch}.expert_count = {num_experts}) is not "
+            f"supported; {supported}"
         )
     return str(arch)
+
+
+def _expert_count(meta: dict[str, Any], arch: Any) -> int:
+    value = meta.get(f"{arch}.expert_count") or 0
+    try:
+        return int(value)
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"GGUF metadata {arch}.expert_count = {value!r} is not a count") from e
+
+
+def model_type_of(meta: dict[str, Any]) -> str:
+    """The HF model_type a (supported) GGUF becomes."""
+    arch = str(meta["general.architecture"])
+    if arch == "llama" and _expert_count(meta, arch):
+        return "mixtral"
+    if arch == "llama" and "mistral" in str(meta.get("general.name", "")).lower():
+        return "mistral"  # llama.cpp writes Mistral as llama; transformers keys on the name too
+    return SUPPORTED_ARCHITECTURES[arch]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,10 +180,7 @@ def _architecture(meta: dict[str, Any], path: Path) -> str:
 def build_config(meta: dict[str, Any], tensor_names: list[str], dtype: str = "float32") -> dict[str, Any]:
     """HF config.json dict from GGUF metadata (classic keys, plus transformers-5 `rope_parameters`)."""
     arch = str(meta["general.architecture"])
-    model_type = SUPPORTED_ARCHITECTURES[arch]
-    name = str(meta.get("general.name", "")).lower()
-    if arch == "llama" and "mistral" in name:
-        model_type = "mistral"  # llama.cpp writes Mistral as llama; transformers keys on the name too
+    model_type = model_type_of(meta)
 
     def key(k: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{k}", default)
@@ -186,7 +226,10 @@ def build_config(meta: dict[str, Any], tensor_names: list[str], dtype: str = "fl
         "model_type": model_type,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(required("feed_forward_length")),
+        "intermediate_size": int(
+            key("feed_forward_length") or required("expert_feed_forward_length")
+            if model_type in MOE_MODEL_TYPES else required("feed_forward_length")
+        ),
         "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads,
         "num_key_value_heads": int(kv),
@@ -219,11 +262,70 @@ def build_config(meta: dict[str, Any], tensor_names: list[str], dtype: str = "fl
         )
     if model_type == "gemma3_text":
         cfg.update(_gemma3_fields(meta, arch, num_layers, hidden, num_heads, head_dim, theta, rope_scaling))
+    if model_type in MOE_MODEL_TYPES:
+        cfg.update(_moe_fields(meta, arch, model_type, num_layers, tensor_names, has_qkv_bias))
     return cfg
+
+
+def _moe_fields(
+    meta: dict[str, Any], arch: str, model_type: str, num_layers: int, tensor_names: list[str], qkv_bias: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """Expert counts and sizes from `{arch}.expert_*`; which layers are sparse from the tensors (a layer
+    with a router `blk.N.ffn_gate_inp` is; llama.cpp's own loaders require every layer to be)."""
+    num_experts = _expert_count(meta, arch)
+    used = meta.get(f"{arch}.expert_used_count")
+    if not num_experts or used is None:
+        raise ModelLoadError(
+            f"GGUF metadata lacks {arch}.expert_count or {arch}.expert_used_count; the file is incomplete"
+        )
+    gating = meta.get(f"{arch}.expert_gating_func")
+    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise ModelLoadError(
+            f"GGUF {arch}.expert_gating_func = {gating}: only softmax routing (1) is supported for {arch}"
+        )
+    names = set(tensor_names)
+    dense = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
+    if model_type == "mixtral":
+        if dense:
+            raise ModelLoadError(
+                f"GGUF llama with experts (Mixtral) has no router in layer {dense[0]}; every Mixtral layer is sparse"
+            )
+        # Mixtral's experts are `feed_forward_length` wide (llama.cpp writes no expert length for it)
+        ff = meta.get(f"{arch}.expert_feed_forward_length") or meta.get(f"{arch}.feed_forward_length")
+        return {"num_local_experts": num_experts, "num_experts_per_tok": int(used), "intermediate_size": int(ff),
+                "hidden_act": "silu", "sliding_window": meta.get(f"{arch}.attention.sliding_window"),
+                "router_jitter_noise": 0.0}  # fmt: skip
+    expert_ff = meta.get(f"{arch}.expert_feed_forward_length")
+    if expert_ff is None:
+        raise ModelLoadError(f"GGUF metadata lacks {arch}.expert_feed_forward_length; the file is incomplete")
+    fields: dict[str, Any] = {
+        "num_experts": num_experts,
+        "num_experts_per_tok": int(used),
+        "moe_intermediate_size": int(expert_ff),
+        "norm_topk_prob": model_type == "qwen3_moe",  # llama.cpp's norm_w for qwen3moe / qwen2moe
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": dense,
+        "hidden_act": "silu",
+        "use_sliding_window": False,
+        "sliding_window": None,
+    }
+    if model_type == "qwen2_moe":
+        shared = meta.get(f"{arch}.expert_shared_feed_forward_length")
+        if shared is None:
+            raise ModelLoadError(
+                f"GGUF metadata lacks {arch}.expert_shared_feed_forward_length; the file is incomplete"
+            )
+        fields.update(shared_expert_intermediate_size=int(shared), qkv_bias=qkv_bias)
+    else:
+        fields["attention_bias"] = qkv_bias
+    return fields
 
 
 _ARCH_CLASS = {
     "llama": "LlamaForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
@@ -286,16 +388,37 @@ def expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             "input_layernorm.weight": (h,),
             "post_attention_layernorm.weight": (h,),
         }
-        if mt == "qwen2" or cfg.get("attention_bias"):
+        if mt == "qwen2" or cfg.get("attention_bias") or (mt == "qwen2_moe" and cfg.get("qkv_bias", True)):
             layer.update({"self_attn.q_proj.bias": (heads * d,), "self_attn.k_proj.bias": (kv * d,),
                           "self_attn.v_proj.bias": (kv * d,)})  # fmt: skip
-        if mt in ("qwen3", "gemma3_text"):
+        if mt in ("qwen3", "qwen3_moe", "gemma3_text"):
             layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
         if mt == "gemma3_text":
             layer.update(
                 {"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)}
             )
+        if mt in MOE_MODEL_TYPES and i not in set(cfg.get("mlp_only_layers") or ()):
+            for k in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
+                del layer[k]
+            layer.update(_moe_shapes(cfg, h))
         shapes.update({p + k: v for k, v in layer.items()})
+    return shapes
+
+
+def _moe_shapes(cfg: dict[str, Any], h: int) -> dict[str, tuple[int, ...]]:
+    """One sparse layer's tensors (inside model.layers.N), in the per-expert file layout."""
+    mt = cfg["model_type"]
+    num_experts = cfg["num_local_experts"] if mt == "mixtral" else cfg["num_experts"]
+    inter = cfg["intermediate_size"] if mt == "mixtral" else cfg["moe_intermediate_size"]
+    gate, up, down = expert_file_names(mt)
+    shapes = {f"{router_file_name(mt)}.weight": (num_experts, h)}
+    for e in range(num_experts):
+        shapes.update({f"{gate.format(i=e)}.weight": (inter, h), f"{up.format(i=e)}.weight": (inter, h),
+                       f"{down.format(i=e)}.weight": (h, inter)})  # fmt: skip
+    shared = cfg.get("shared_expert_intermediate_size") or 0
+    if mt == "qwen2_moe" and shared:
+        shapes.update({"mlp.shared_expert.gate_proj.weight": (shared, h), "mlp.shared_expert.up_proj.weight": (shared, h),
+                       "mlp.shared_expert.down_proj.weight": (h, shared), "mlp.shared_expert_gate.weight": (1, h)})  # fmt: skip
     return shapes
 
 
@@ -304,14 +427,27 @@ def expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 def hf_name(gguf_name: str, model_type: str) -> str | None:
-    """The transformers name of a GGUF tensor, or None if it has none."""
+    """The transformers name of a GGUF tensor, or None if it has none (stacked experts: see `expert_names`)."""
     if m := _TOP_RE.match(gguf_name):
         return f"{_TOP[m.group(1)]}.{m.group(2)}"
     if m := _BLOCK_RE.match(gguf_name):
         block = _GEMMA3_BLOCK if model_type == "gemma3_text" else _DENSE_BLOCK
+        if model_type in MOE_MODEL_TYPES:
+            block = {**block, "ffn_gate_inp": router_file_name(model_type)}
+            if model_type == "qwen2_moe":
+                block.update(_SHARED_EXPERT)
         if m.group(2) in block:
             return f"model.layers.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}"
     return None
+
+
+def expert_names(gguf_name: str, model_type: str, num_experts: int) -> list[str] | None:
+    """The per-expert transformers names a stacked `blk.N.ffn_*_exps.weight` splits into, or None."""
+    m = _BLOCK_RE.match(gguf_name)
+    if m is None or model_type not in MOE_MODEL_TYPES or m.group(2) not in _EXPERTS or m.group(3) != "weight":
+        return None
+    template = expert_file_names(model_type)[_EXPERTS[m.group(2)]]
+    return [f"model.layers.{m.group(1)}.{template.format(i=e)}.weight" for e in range(num_experts)]
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -325,13 +461,15 @@ def _transform(model_type: str, cfg: dict[str, Any]) -> Callable[[str, np.ndarra
     """The per-tensor fix-up that undoes llama.cpp's conversion for this family (fp32 in, fp32 out)."""
 
     def fix(name: str, w: np.ndarray) -> np.ndarray:
-        if model_type in ("llama", "mistral"):
+        if model_type in ("llama", "mistral", "mixtral"):
             if ".self_attn.q_proj." in name:
                 return unpermute_qk(w, cfg["num_attention_heads"])
             if ".self_attn.k_proj." in name:
                 return unpermute_qk(w, cfg["num_key_value_heads"])
         if model_type == "gemma3_text" and name.endswith("norm.weight"):
             return w - np.float32(1.0)
+        if name.endswith(".shared_expert_gate.weight") and w.ndim == 1:
+            return w[None]  # stored 1-D by some quantizers; HF's is [1, E]
         return w
 
     return fix
@@ -345,15 +483,17 @@ def convert_tensors(reader: Any, cfg: dict[str, Any], dtype: str = "float32") ->
     torch_dtype = getattr(torch, dtype)
     fix = _transform(cfg["model_type"], cfg)
     want = expected_shapes(cfg)
+    num_experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         if t.name in _IGNORED_TENSORS:
             continue
-        name = hf_name(t.name, cfg["model_type"])
+        experts = expert_names(t.name, cfg["model_type"], num_experts)
+        name = experts[0] if experts else hf_name(t.name, cfg["model_type"])
         if name is None or name not in want:
             raise ModelLoadError(
                 f"GGUF tensor {t.name} has no place in a {cfg['model_type']} checkpoint of this config; "
-                "the file is not a plain dense model of its stated architecture"
+                "the file is not a plain model of its stated architecture"
             )
         try:
             w = quants.dequantize(t.data, t.tensor_type)
@@ -362,7 +502,18 @@ def convert_tensors(reader: Any, cfg: dict[str, Any], dtype: str = "float32") ->
                 f"GGUF tensor {t.name} uses quantization {t.tensor_type.name}, which the gguf package "
                 f"cannot dequantize ({e}); upgrade `gguf` or use another quantization"
             ) from e
-        w = fix(name, np.asarray(w, dtype=np.float32))
+        w = np.asarray(w, dtype=np.float32)
+        if experts:  # [X, out, in] -> one tensor per expert (copies: safetensors refuses shared storage)
+            shape = (len(experts), *want[name])
+            if tuple(w.shape) != shape:
+                raise ModelLoadError(
+                    f"GGUF tensor {t.name} has shape {tuple(w.shape)} but the config implies {shape} "
+                    f"({len(experts)} experts)"
+                )
+            for e, expert in enumerate(experts):
+                out[expert] = torch.from_numpy(np.array(w[e], order="C")).to(torch_dtype)
+            continue
+        w = fix(name, w)
         if tuple(w.shape) != want[name]:
             raise ModelLoadError(
                 f"GGUF tensor {t.name} ({name}) has shape {tuple(w.shape)} but the config implies {want[name]}"

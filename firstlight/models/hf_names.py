@@ -63,18 +63,28 @@ _QWEN_EXPERT = ("mlp.experts.{i}.gate_proj", "mlp.experts.{i}.up_proj", "mlp.exp
 EXPERT_FILE_INDEX = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
 
 
+def expert_file_names(model_type: str) -> tuple[str, str, str]:
+    """Templates (format with i=expert) of one expert's (gate, up, down) file names inside model.layers.N."""
+    return _EXPERT_FILE_NAMES.get(model_type, _QWEN_EXPERT)
+
+
+def router_file_name(model_type: str) -> str:
+    """The router's file name inside model.layers.N (no `.weight`)."""
+    return "block_sparse_moe.gate" if model_type == "mixtral" else "mlp.gate"
+
+
 def checkpoint_names(hf: str, model_type: str, num_experts: int) -> list[str] | list[list[str]]:
     """The checkpoint-file tensors an in-memory HF tensor is built from: for stacked experts a list
     per expert (stacked on a new dim 0) of parts concatenated on dim 0; else the one file name."""
     head, sep, tail = hf.partition(".mlp.")
     if not sep:
         return [hf]
-    gate, up, down = _EXPERT_FILE_NAMES.get(model_type, _QWEN_EXPERT)
+    gate, up, down = expert_file_names(model_type)
     if tail in ("experts.gate_up_proj", "experts.down_proj"):
         parts = (gate, up) if tail == "experts.gate_up_proj" else (down,)
         return [[f"{head}.{p.format(i=i)}.weight" for p in parts] for i in range(num_experts)]
     if model_type == "mixtral" and tail == "gate.weight":
-        return [f"{head}.block_sparse_moe.gate.weight"]
+        return [f"{head}.{router_file_name(model_type)}.weight"]
     return [hf]
 
 

@@ -13,7 +13,15 @@ module's forward, and perturbs them:
 
 More selectors: `phase=prefill|decode` (the phase of the unit being run, from its key: see
 `unit_phase` in base.py; decode steps of verify's serving paths are `decode`), `from_row=R`
-(perturb only rows >= R of the output's second-to-last dim: the late positions of a sequence).
+(perturb only rows >= R of the output's second-to-last dim: the late positions of a sequence),
+`expert=E` (a grouped GEMM, `aten._grouped_mm`: perturb only the rows of group E, i.e. what
+expert E computes in a mixture-of-experts layer).
+
+Weight faults change the model's own parameters once, in `prepare`:
+
+    kind=weight,param=GLOB[,expert=E]       parameters whose name matches GLOB (ours, e.g.
+                                            layers.1.mlp.experts.down_proj) scaled by `value`;
+                                            with `expert`, only slice E of a stacked [X, ...] one
 
 Table faults corrupt what the model builds once per forward, everywhere the model builds it
 (whole forward, serving steps, the `tables` unit), by wrapping the model's own table builders:
@@ -44,7 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from firstlight.targets.base import OpSite, Target, TargetError, TargetReport, op_name, unit_phase
 from firstlight.targets.decompose import DecomposedSDPA
 
-KINDS = ("scale", "offset", "noise", "dtype", "transpose", "constant", "nan", "inf", "table")
+KINDS = ("scale", "offset", "noise", "dtype", "transpose", "constant", "nan", "inf", "table", "weight")
 PHASES = ("prefill", "decode")
 TABLES = ("rope", "mask")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
@@ -72,6 +80,8 @@ class Fault:
     from_row: int | None = None
     table: str | None = None  # kind=table: rope | mask
     min_position: int = 0  # kind=table,table=rope: first corrupted position
+    expert: int | None = None  # grouped GEMM ops: only group E's rows; kind=weight: only slice E
+    param: str | None = None  # kind=weight: glob on our parameter names
     hits: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
@@ -81,6 +91,12 @@ class Fault:
             raise TargetError(f"fault dtype round-trip 'to={self.to}' must be one of: {', '.join(_DTYPES)}")
         if self.phase is not None and self.phase not in PHASES:
             raise TargetError(f"fault phase '{self.phase}' is not one of: {', '.join(PHASES)}")
+        if self.kind == "weight":
+            if self.param is None:
+                raise TargetError("a weight fault needs param= (a glob on parameter names, e.g. layers.1.mlp.experts.down_proj)")
+            return
+        if self.param is not None:
+            raise TargetError(f"param={self.param} is for kind=weight only (got kind={self.kind})")
         if self.kind == "table":
             if self.table not in TABLES:
                 raise TargetError(f"a table fault needs table= one of: {', '.join(TABLES)} (got {self.table})")
@@ -91,7 +107,7 @@ class Fault:
             raise TargetError("a fault needs at least one of op=, module=, layer= (else it hits every op)")
 
     def matches(self, site: OpSite) -> bool:
-        if self.kind == "table":
+        if self.kind in ("table", "weight"):
             return False
         if self.phase is not None and site.phase != self.phase:
             return False
@@ -124,7 +140,34 @@ class Fault:
                 raise TargetError(f"fault constant: {op_name(op)} has no scalar argument to replace")
             args = (*args[:idx], self.value, *args[idx + 1:])
             return op(*args, **kwargs)
+        if self.expert is not None:
+            return self._expert_rows(op, args, kwargs)
         return _map_float(op(*args, **kwargs), self._rows)
+
+    def _expert_rows(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A grouped GEMM with only group `expert`'s output rows perturbed."""
+        names = [a.name for a in op._schema.arguments]
+        offs = kwargs.get("offs")
+        if offs is None and "offs" in names and len(args) > names.index("offs"):
+            offs = args[names.index("offs")]
+        if not isinstance(offs, torch.Tensor):
+            raise TargetError(f"fault expert={self.expert}: {op_name(op)} is not a grouped GEMM (no offs)")
+        out = op(*args, **kwargs)
+        ends = [0, *offs.tolist()]
+        start, end = ends[self.expert], ends[self.expert + 1]
+        if end <= start:
+            return out
+        return torch.cat([out[:start], self._perturb(out[start:end]), out[end:]])
+
+    def plant_weight(self, model: nn.Module) -> None:
+        """kind=weight: scale the matching parameters (slice `expert` of stacked ones) by `value`."""
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if fnmatch.fnmatchcase(name, self.param or ""):
+                    (p[self.expert] if self.expert is not None else p).mul_(self.value)
+                    self.hits += 1
+        if not self.hits:
+            raise TargetError(f"weight fault: no parameter matches param={self.param}")
 
     def _rows(self, out: torch.Tensor) -> torch.Tensor:
         """The perturbation, on rows >= from_row of dim -2 only when `from_row` is set."""
@@ -154,19 +197,19 @@ class Fault:
     @classmethod
     def from_options(cls, options: dict[str, str]) -> Fault:
         known = {"kind", "op", "module", "layer", "nth", "value", "arg", "to", "seed", "phase", "from_row", "table",
-                 "min_position"}
+                 "min_position", "expert", "param"}
         unknown = sorted(set(options) - known)
         if unknown:
             raise TargetError(f"faulty target: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         if "kind" not in options:
             raise TargetError(f"faulty target needs kind= (one of: {', '.join(KINDS)})")
         try:
-            ints = {k: int(options[k]) for k in ("layer", "nth", "arg", "seed", "from_row", "min_position")
+            ints = {k: int(options[k]) for k in ("layer", "nth", "arg", "seed", "from_row", "min_position", "expert")
                     if k in options}
             value = {"value": float(options["value"])} if "value" in options else {}
         except ValueError as e:
             raise TargetError(f"faulty target: bad number in options ({e})") from e
-        strs = {k: options[k] for k in ("op", "module", "to", "phase", "table") if k in options}
+        strs = {k: options[k] for k in ("op", "module", "to", "phase", "table", "param") if k in options}
         return cls(kind=options["kind"], **ints, **value, **strs)
 
 
@@ -216,7 +259,8 @@ class FaultyTarget(Target):
         self._stack: list[str] = []
         self._counts: dict[str, dict[str, int]] = {}  # module path -> op name -> calls so far
         self._hooks: list[Any] = []
-        self._everywhere = any(f.module is None and f.layer is None and f.kind != "table" for f in self.faults)
+        self._everywhere = any(f.module is None and f.layer is None and f.kind not in ("table", "weight")
+                               for f in self.faults)
         self._phase = "prefill"  # of the unit running now (its key, see unit_phase)
         self._running = False  # inside a compiled unit's run (not, e.g., the harness's make_fx trace)
         self._active: list[tuple[int, tuple[Any, ...]]] = []  # (stack depth that entered it, mode)
@@ -224,12 +268,15 @@ class FaultyTarget(Target):
     def _can_hit(self, path: str) -> bool:
         """Whether any fault can select an op whose innermost module is `path`."""
         return any((f.layer is None or layer_of(path) == f.layer)
-                   and (f.module is None or fnmatch.fnmatchcase(path, f.module)) for f in self.faults if f.kind != "table")
+                   and (f.module is None or fnmatch.fnmatchcase(path, f.module))
+                   for f in self.faults if f.kind not in ("table", "weight"))
 
     def prepare(self, model: nn.Module) -> nn.Module:
         for fault in self.faults:
             if fault.kind == "table":
                 _plant_table_fault(model, fault)
+            if fault.kind == "weight":
+                fault.plant_weight(model)
         for path, module in model.named_modules():
             can_hit = self._can_hit(path)
             self._hooks.append(module.register_forward_pre_hook(self._enter(path, can_hit)))
@@ -288,7 +335,9 @@ class FaultyTarget(Target):
         rep = super().report()
         for f in self.faults:
             where = f"table={f.table} min_position={f.min_position}" if f.kind == "table" else \
-                f"op={f.op} module={f.module} layer={f.layer} nth={f.nth} phase={f.phase} from_row={f.from_row}"
+                f"param={f.param} expert={f.expert}" if f.kind == "weight" else \
+                f"op={f.op} module={f.module} layer={f.layer} nth={f.nth} phase={f.phase} from_row={f.from_row}" + \
+                (f" expert={f.expert}" if f.expert is not None else "")
             rep.notes.append(f"fault {f.kind} {where} value={f.value}: {f.hits} hit(s)")
         return rep
 

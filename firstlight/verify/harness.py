@@ -568,11 +568,21 @@ def _localize(failing: str, tmodel: nn.Module, ref: nn.Module, cfg: ModelConfig,
 def _replay(failing: str, unit_t: U.Unit, inputs_t: tuple[torch.Tensor, ...], inputs_r: tuple[torch.Tensor, ...],
             ref: nn.Module, target: Target,
             policy: TolerancePolicy) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
-    records = replay(unit_t, reference_params(unit_t, ref), inputs_t, inputs_r, target, policy)
+    result = replay(unit_t, reference_params(unit_t, ref), inputs_t, inputs_r, target, policy)
+    records = result.ops
     first_prop = next((r for r in records if not r.propagated.ok), None)
     found = culprit(records)
     first = {"unit": failing, "module": unit_t.path or failing, "num_ops": len(records),
              "first_propagated_op": first_prop.to_dict() if first_prop else None}
+    if result.weights:
+        first["weights"] = [w.to_dict() for w in result.weights]
+    if found is None and result.weights:
+        # every op is right on the reference's weights: the target's own weights are what differ
+        w = result.weights[0]
+        first["note"] = (f"no op is over tolerance on the reference's weights, but the target's {w.param}"
+                         f"{f' (expert {w.expert})' if w.expert is not None else ''} differs from the reference's: "
+                         "the error is in the weights (conversion, loading), not an op")
+        return first, [r.to_dict() for r in records], w.to_dict()
     if found is None:
         first["note"] = ("no single op is over tolerance when replayed op by op in the target's numerics: "
                          "the error comes from how the target compiled the unit (fusion, reordering), not one op")

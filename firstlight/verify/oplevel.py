@@ -12,6 +12,15 @@ Isolated error is the error an op introduces; propagated error is what it inheri
 first op whose isolated error is over tolerance is the culprit; its module path comes from the
 node's `nn_module_stack`, its source line from the node's `stack_trace`. Only one unit's tensors
 are alive at a time.
+
+Mixture of experts: all experts of a layer run in one grouped GEMM (`aten._grouped_mm`, rows grouped
+by expert through its `offs`), so the op alone cannot say which expert is wrong. Its isolated output
+is therefore also compared group by group: when some experts' rows are over tolerance and others
+are not, the record names the first bad expert (`expert`, module `layers.i.mlp.experts.E`).
+
+Weights: the isolated side runs every op on the reference's weights, so a weight that differs
+from the reference's (a bad conversion, a corrupted load) fails no op. `check_weights` compares the
+unit's own parameters with the reference's, stacked expert tensors ([X, ...]) one expert at a time.
 """
 
 from __future__ import annotations
@@ -50,11 +59,41 @@ class OpRecord:
     code: str | None
     isolated: TensorMetrics
     propagated: TensorMetrics
+    expert: int | None = None  # grouped GEMM: the first expert whose rows alone are over tolerance
+    experts: list[dict[str, Any]] | None = None  # grouped GEMM: per expert with rows, its isolated metrics
 
     def to_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "node": self.node, "op": self.op, "module": self.module, "layer": self.layer,
-                "source": self.source, "code": self.code, "isolated": self.isolated.to_dict(),
-                "propagated": self.propagated.to_dict()}
+        d = {"index": self.index, "node": self.node, "op": self.op, "module": self.module, "layer": self.layer,
+             "source": self.source, "code": self.code, "isolated": self.isolated.to_dict(),
+             "propagated": self.propagated.to_dict()}
+        if self.experts is not None:
+            d.update(expert=self.expert, experts=self.experts)
+        return d
+
+
+@dataclass
+class WeightRecord:
+    """A unit parameter (one expert's slice of a stacked one) that differs from the reference's."""
+
+    param: str  # our parameter name, e.g. layers.1.mlp.experts.down_proj
+    module: str  # its module, or the expert's: layers.1.mlp.experts.3
+    expert: int | None
+    layer: int | None
+    source: str | None  # the model line of the first op that reads it
+    code: str | None
+    metrics: TensorMetrics
+
+    def to_dict(self) -> dict[str, Any]:
+        """Shaped like an op record (op `weight`), so it can stand as the culprit."""
+        return {"index": None, "node": None, "op": "weight", "kind": "weight", "param": self.param,
+                "module": self.module, "expert": self.expert, "layer": self.layer, "source": self.source,
+                "code": self.code, "isolated": self.metrics.to_dict(), "propagated": self.metrics.to_dict()}
+
+
+@dataclass
+class Replay:
+    ops: list[OpRecord]
+    weights: list[WeightRecord]  # only those over tolerance
 
 
 def source_of(stack_trace: str | None) -> tuple[str | None, str | None]:
@@ -127,6 +166,35 @@ def _promote(x: Any) -> Any:
     return x
 
 
+def _group_offsets(op: Any, args: Any, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The `offs` of a grouped GEMM (the end row of each group), or None for any other op."""
+    if "grouped_mm" not in str(op):
+        return None
+    names = [a.name for a in op._schema.arguments]
+    offs = kwargs.get("offs")
+    if offs is None and "offs" in names and len(args) > names.index("offs"):
+        offs = args[names.index("offs")]
+    return offs if isinstance(offs, torch.Tensor) else None
+
+
+def _per_group(out: Any, ref: Any, offs: torch.Tensor, dtype: torch.dtype,
+               tol: Any) -> tuple[int | None, list[dict[str, Any]]]:
+    """(first bad group, per group with rows its metrics) of a grouped GEMM's [N, *] output; the
+    first bad group only when some groups with rows are within tolerance (else the whole op is off)."""
+    if not (isinstance(out, torch.Tensor) and isinstance(ref, torch.Tensor)) or out.shape != ref.shape:
+        return None, []
+    ends = offs.tolist()
+    rows, start = [], 0
+    for e, end in enumerate(ends):
+        if end > start:
+            m = compare(out[start:end], ref[start:end], dtype, tol)
+            rows.append({"expert": e, "rows": end - start, "isolated": m})
+        start = end
+    bad = [r["expert"] for r in rows if not r["isolated"].ok]
+    first = bad[0] if bad and len(bad) < len(rows) else None
+    return first, [{**r, "isolated": r["isolated"].to_dict()} for r in rows]
+
+
 def _compare_any(out: Any, ref: Any, dtype: torch.dtype, policy: TolerancePolicy, name: str) -> TensorMetrics:
     outs = [o for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor)]
     refs = [r for r in (ref if isinstance(ref, (tuple, list)) else [ref]) if isinstance(r, torch.Tensor)]
@@ -145,8 +213,9 @@ def replay(
     inputs_ref: tuple[torch.Tensor, ...],
     target: Target,
     policy: TolerancePolicy,
-) -> list[OpRecord]:
-    """Trace `unit_t` (target model, target dtype) and replay it; one record per ATen op node.
+) -> Replay:
+    """Trace `unit_t` (target model, target dtype) and replay it; one record per ATen op node, and
+    the unit's parameters that differ from the reference's (`check_weights`).
 
     `ref_params`: the unit's fp32 reference weights by adapter parameter name (the rest of a
     unit's constants are promoted from the target's own).
@@ -198,13 +267,56 @@ def replay(
             ref_env[node], tgt_env[node] = ref_out, tgt_out
             source, code = source_of(node.meta.get("stack_trace"))
             tensor_name = f"{module}:{name}"
-            records.append(OpRecord(
+            rec = OpRecord(
                 index=len(records), node=node.name, op=name, module=module, layer=site.layer,
                 source=source, code=code,
                 isolated=_compare_any(iso_out, ref_out, policy.dtype, policy, tensor_name),
                 propagated=_compare_any(tgt_out, ref_out, policy.dtype, policy, tensor_name),
-            ))
-    return records
+            )
+            offs = _group_offsets(node.target, iso_args, iso_kwargs)
+            if offs is not None:
+                rec.expert, rec.experts = _per_group(iso_out, ref_out, offs, policy.dtype, policy.for_tensor(tensor_name))
+                if rec.expert is not None:
+                    rec.module = f"{module}.{rec.expert}"
+            records.append(rec)
+    return Replay(records, check_weights(unit_t, ref_params, policy, _first_users(gm, by_id_t)))
+
+
+def _first_users(gm: fx.GraphModule, by_id: dict[int, str]) -> dict[str, tuple[str | None, str | None]]:
+    """Adapter parameter name → (source, code) of the first op that reads it."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    out: dict[str, tuple[str | None, str | None]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and (name := by_id.get(id(getattr(gm, node.target)))) is not None and node.users:
+            out[name] = source_of(min(node.users, key=order.__getitem__).meta.get("stack_trace"))
+    return out
+
+
+def check_weights(unit_t: Unit, ref_params: dict[str, torch.Tensor], policy: TolerancePolicy,
+                  sources: dict[str, tuple[str | None, str | None]] | None = None) -> list[WeightRecord]:
+    """The unit's parameters (by adapter name, in `ref_params`) that differ from the reference's
+    beyond the tensor tolerance; a stacked expert tensor ([X, ...] of a module with `num_experts`)
+    one expert at a time, so the record names the expert."""
+    bad: list[WeightRecord] = []
+    named = dict(unit_t.adapter.named_parameters())
+    for name, ref in ref_params.items():
+        t = named.get(name)
+        if t is None or t.shape != ref.shape:
+            continue
+        module_name, _, leaf = name.rpartition(".")
+        module = unit_t.model_path(module_name)
+        param = f"{module}.{leaf}"
+        owner = unit_t.adapter.get_submodule(module_name) if module_name else unit_t.adapter
+        num_experts = getattr(owner, "num_experts", None)
+        per_expert = isinstance(num_experts, int) and t.ndim == 3 and t.shape[0] == num_experts
+        source, code = (sources or {}).get(name, (None, None))
+        for e, (t_e, r_e) in enumerate(zip(t, ref, strict=True) if per_expert else [(t, ref)]):
+            m = compare(t_e.detach(), r_e, policy.dtype, policy.for_tensor(f"{param}:weight"))
+            if not m.ok:
+                bad.append(WeightRecord(param=param, module=f"{module}.{e}" if per_expert else module,
+                                        expert=e if per_expert else None, layer=layer_of(module),
+                                        source=source, code=code, metrics=m))
+    return bad
 
 
 def culprit(records: list[OpRecord]) -> OpRecord | None:

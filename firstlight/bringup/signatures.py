@@ -119,6 +119,16 @@ class OpClassError(Signature):
 
 
 @dataclass(frozen=True)
+class WeightMismatch(Signature):
+    """The failing unit's parameters differ from the reference's (verify's weight check): the checkpoint
+    was loaded or converted wrong. No override remedies it; the loop stops and says so."""
+
+    kind: ClassVar[str] = "weight_mismatch"
+    param: str = ""
+    module: str = ""
+
+
+@dataclass(frozen=True)
 class TableMismatch(Signature):
     kind: ClassVar[str] = "table_mismatch"
     table: str = ""
@@ -224,6 +234,8 @@ def _unit_failure(result: dict[str, Any], ctx: Context) -> Signature | None:
         prop = worst or first.get("first_propagated_op") or {}
         return UnitComposition(unit=first.get("unit", ""), module=prop.get("module", ""), op=prop.get("op", ""))
     op, module = c["op"], c["module"]
+    if op == "weight":  # verify found our weights differ from the reference's: a loader bug, no numerics knob
+        return WeightMismatch(param=str(c.get("param", "")), module=module)
     cls = op_class(op, module)
     if cls == "matmul":
         acc = ctx.accumulator(module, packet(op))

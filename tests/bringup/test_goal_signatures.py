@@ -110,3 +110,14 @@ def test_non_finite_table_decode_position_and_quality():
     assert classify(_result(divergence={"start": 96, "unit": "layers.5"})) == PositionDivergence(position=96, unit="layers.5")
     q = classify(_result(reasons=["perplexity ratio 1.04 > 1.03"]))
     assert isinstance(q, QualityOnly) and q.metric == "ppl"
+
+
+def test_a_weight_culprit_is_a_weight_mismatch_with_no_remedy():
+    from firstlight.bringup import remedies as R
+    from firstlight.bringup.signatures import WeightMismatch
+
+    res = _result(first_failing={"unit": "layers.1"},
+                  culprit={"op": "weight", "param": "layers.1.mlp.experts.down_proj", "module": "layers.1.mlp.experts.3"})
+    sig = classify(res)
+    assert sig == WeightMismatch(param="layers.1.mlp.experts.down_proj", module="layers.1.mlp.experts.3")
+    assert R.candidates(sig, None) == []  # no numerics override fixes a wrongly loaded weight

@@ -47,7 +47,11 @@ def main() -> None:
     ap.add_argument("--chips", default=",".join(CHIPS))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("reports/emulated"))
+    ap.add_argument("--table", type=Path, nargs="+", help="only print the table of these results.json files")
     args = ap.parse_args()
+    if args.table:
+        table([row for p in args.table for row in json.loads(p.read_text())])
+        return
     import torch
     import yaml
 
@@ -67,17 +71,23 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
             (args.out / "results.json").write_text(json.dumps(rows, indent=1))
     print(f"\n{torch.get_num_threads()} torch threads\n")
+    table(rows)
+
+
+def table(rows: list[dict]) -> None:
+    """The docs/EMULATION.md table: one row per (model, chip, overrides), with why a failing row fails."""
     print("| model | chip | overrides | verdict | top-1 | ppl ratio | mean KL | first failing unit / culprit | "
-          "predicted tok/s (batch 1) |")
-    print("|---|---|---|---|---:|---:|---:|---|---:|")
+          "why (verify's first reasons) | predicted tok/s (batch 1) |")
+    print("|---|---|---|---|---:|---:|---:|---|---|---:|")
     for r in rows:
         ov = "rotary tables on host" if r["overrides"] else "defaults"
         if r["verdict"] == "compile error":
-            print(f"| {r['model']} | {r['chip']} | {ov} | compile error | | | | {r['error']} | |")
+            print(f"| {r['model']} | {r['chip']} | {ov} | compile error | | | | | {r['error']} | |")
             continue
         where = r["culprit"] or (f"{r['first_failing']} (no single op)" if r["first_failing"] else "-")
+        why = "; ".join(x.split(": max row")[0] for x in r["reasons"][:2]) if r["verdict"] != "match" else ""
         print(f"| {r['model']} | {r['chip']} | {ov} | {r['verdict']} | {r['top1']:.3f} | {r['ppl_ratio']:.4f} | "
-              f"{r['kl']:.3g} | {where} | {r['tokens_per_s']:.0f} |")
+              f"{r['kl']:.3g} | {where} | {why} | {r['tokens_per_s']:.0f} |")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from firstlight.models.generate import generate_tokens
 from firstlight.models.loader import load_model
 from tests.engine.test_engine import prompts, run_staggered
 
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "granitemoehybrid"]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
@@ -39,7 +39,7 @@ def test_engine_greedy_matches_generate_staggered(family_models, family):
     assert engine.kv.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_next"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_next", "granitemoehybrid"])
 def test_engine_preemption_gives_same_tokens(family_models, family):
     model, tok = family_models(family)
     ps = prompts(6, seed=1)

@@ -537,9 +537,12 @@ def _limit(value: Any, key: str) -> float:
     """A time-step bound: a number, or transformers' JSON spelling of infinity ({"__float__": "Infinity"})."""
     if isinstance(value, dict) and set(value) == {"__float__"}:
         value = value["__float__"]
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ValueError(f"time_step_limit entry {key} = {value!r} is not a number")
-    return float(value)
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"time_step_limit {key} = {value!r} is not a number (e.g. [0.0, \"Infinity\"])") from None
 
 
 def _mamba(cfg: dict[str, Any], hidden: int) -> Mamba2Config:

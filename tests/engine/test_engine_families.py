@@ -4,6 +4,7 @@ prefill, and after preemption (recompute)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from firstlight.engine.engine import EngineConfig, LLMEngine
 from firstlight.engine.request import SamplingParams
@@ -79,3 +80,29 @@ def test_hybrid_engine_rejects_speculative_decoding_for_now(family_models):
     model, tok = family_models("qwen3_next")
     with pytest.raises(FirstlightError, match="speculative decoding is not supported for qwen3_next"):
         LLMEngine(model, tok, EngineConfig(num_blocks=64, speculative=SpecConfig(method="ngram")))
+
+
+def test_mamba_hybrid_engine_keeps_conv_and_ssm_state_per_slot(family_models):
+    """Granite 4.0-H: KV pools only for its attention layer; per Mamba layer a conv-input pool
+    [slots + 1, conv_dim, K-1] and an fp32 SSM pool [slots + 1, H, P, N], counted in the slot bytes."""
+    from firstlight.engine.runner import ModelRunner
+
+    model, tok = family_models("granitemoehybrid")
+    engine = LLMEngine(model, tok, EngineConfig(block_size=4, num_blocks=64, max_num_seqs=3))
+    assert [p.numel() > 0 for p in engine.runner.k_pools] == [False, False, True, False]
+    assert sorted(engine.runner.state_pools) == [0, 1, 3]
+    m = model.config.mamba
+    conv, ssm = engine.runner.state_pools[0]
+    assert conv.shape == (4, m.conv_dim, m.conv_kernel - 1) and conv.dtype == torch.float32
+    assert ssm.shape == (4, m.num_heads, m.head_dim, m.state_size) and ssm.dtype == torch.float32
+    per_layer = 4 * (m.conv_dim * (m.conv_kernel - 1) + m.num_heads * m.head_dim * m.state_size)
+    assert ModelRunner.state_bytes_per_slot(model) == 3 * per_layer
+    shared = prompts(1, seed=3)[0]
+    for _ in range(2):
+        engine.add_request(shared, GREEDY)
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.finished]
+        engine.kv.check_invariants()
+    assert outs[0].output_token_ids == outs[1].output_token_ids == list(generate_tokens(model, shared, 10))
+    assert engine.kv.num_free_slots == 3

@@ -41,3 +41,11 @@ def test_planted_fault_is_localized(tiny_dirs, references, family, fault, op, mo
     assert c["op"].startswith(op) and c["module"] == module and c["layer"] == layer
     assert c["source"].startswith("firstlight/models/")
     assert res.first_failing["unit"] == f"layers.{layer}"
+
+
+def test_unsupported_family_is_refused_by_name(tiny_dirs):
+    """Granite 4.0-H's layers do not fit the sub-layer boundaries yet: a one-line error, not a crash."""
+    from firstlight.targets.base import TargetError
+
+    with pytest.raises(TargetError, match="verify does not support granitemoehybrid yet: .*Mamba-2"):
+        run_verify(tiny_dirs["granitemoehybrid"], get_target("eager"), "eager", config=CFG)

@@ -138,3 +138,32 @@ def test_rope_changes_the_output(tiny_dirs, tmp_path):
     ids = torch.randint(0, 384, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (nope(ids) - rope(ids)).abs().max() > 1e-3
+
+
+def test_a_hub_shaped_config_builds_with_its_state_sizes():
+    """A config shaped like granite-4.0-h-tiny's (40 layers, 4 attention, 64 experts, NoPE) parses and
+    builds (on the meta device), with Mamba state per request as its sizes say."""
+    from firstlight.engine.runner import ModelRunner
+    from firstlight.models.loader import model_class
+
+    attention = {5, 15, 25, 35}
+    hub = {
+        "model_type": "granitemoehybrid", "vocab_size": 100352, "hidden_size": 1536, "intermediate_size": 512,
+        "shared_intermediate_size": 1024, "num_hidden_layers": 40, "num_attention_heads": 12,
+        "num_key_value_heads": 4, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "layer_types": ["attention" if i in attention else "mamba" for i in range(40)],
+        "position_embedding_type": "nope", "num_local_experts": 64, "num_experts_per_tok": 6,
+        "mamba_n_heads": 48, "mamba_n_groups": 1, "mamba_d_state": 128, "mamba_d_head": 64, "mamba_d_conv": 4,
+        "mamba_expand": 2, "mamba_chunk_size": 256, "mamba_conv_bias": True, "mamba_proj_bias": False,
+        "embedding_multiplier": 12, "logits_scaling": 6, "residual_multiplier": 0.22,
+        "attention_multiplier": 0.0078125, "tie_word_embeddings": True, "rope_theta": 10000,
+    }
+    cfg = ModelConfig.from_hf(hub)
+    assert cfg.kv_layers == tuple(sorted(attention)) and len(cfg.state_layers) == 36
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    mixer = model.layers[0].mamba
+    assert mixer.in_proj.weight.shape == (2 * 3072 + 2 * 128 + 48, 1536)  # z, x|B|C, dt
+    assert model.layers[5].block_sparse_moe.experts.gate_up_proj.shape == (64, 1024, 1536)
+    per_layer = 4 * ((3072 + 2 * 128) * 3 + 48 * 64 * 128)  # fp32 model: conv + SSM state
+    assert ModelRunner.state_bytes_per_slot(model) == 36 * per_layer

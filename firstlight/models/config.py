@@ -17,8 +17,9 @@ from firstlight.errors import ModelLoadError, UnknownModelError
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 LINEAR = "linear_attention"  # Gated DeltaNet (Qwen3-Next): a fixed-size recurrent state, no KV
+MAMBA = "mamba"  # Mamba-2 SSM mixer (Granite 4.0-H): a fixed-size recurrent state, no KV
 ATTENTION_TYPES = (FULL, SLIDING)
-STATE_TYPES = (LINEAR,)  # layer types that keep a per-request recurrent state instead of KV
+STATE_TYPES = (LINEAR, MAMBA)  # layer types that keep a per-request recurrent state instead of KV
 
 # model_type -> "module:Class" of its family (firstlight/models/<module>.py)
 FAMILIES: dict[str, str] = {
@@ -31,6 +32,7 @@ FAMILIES: dict[str, str] = {
     "qwen2_moe": "moe:MoEDecoder",
     "qwen3_moe": "moe:MoEDecoder",
     "qwen3_next": "qwen3_next:Qwen3Next",
+    "granitemoehybrid": "granitemoehybrid:GraniteMoeHybrid",
 }
 ROPE_KINDS = ("default", "llama3", "linear", "yarn", "dynamic")
 
@@ -130,6 +132,37 @@ class LinearAttnConfig:
 
 
 @dataclass(frozen=True)
+class Mamba2Config:
+    """Mamba-2 token mixer (Dao & Gu 2024, "Transformers are SSMs", arXiv:2405.21060), as in Granite 4.0-H."""
+
+    num_heads: int
+    head_dim: int
+    num_groups: int  # B and C are shared by num_heads / num_groups heads (as GQA shares K/V)
+    state_size: int  # N: the SSM state per head is [head_dim, N]
+    conv_kernel: int  # causal depthwise conv over x|B|C, its state keeps conv_kernel - 1 columns
+    chunk_size: int  # HF's scan chunk; ours picks its own (the result does not depend on it)
+    conv_bias: bool = True
+    proj_bias: bool = False
+    time_step_min: float = 0.0  # dt is clamped to [min, max] after softplus
+    time_step_max: float = math.inf
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_groups:
+            raise ModelLoadError(
+                f"config field 'mamba_n_heads' ({self.num_heads}) must be a multiple of "
+                f"'mamba_n_groups' ({self.num_groups})"
+            )
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.num_groups * self.state_size
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -158,6 +191,12 @@ class ModelConfig:
     linear_attn: LinearAttnConfig | None = None
     attn_output_gate: bool = False  # Qwen3-Next: attention output * sigmoid(gate), gate from q_proj
     num_mtp_layers: int = 0  # native multi-token-prediction layers shipped with the checkpoint
+    mamba: Mamba2Config | None = None
+    use_rope: bool = True  # False: attention layers take no position embedding (Granite 4.0-H, NoPE)
+    # Granite's scalings (muP): embeddings x, each residual branch x, logits / (1.0 elsewhere)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     hf: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # the source dict
 
     @property
@@ -209,13 +248,18 @@ MAX_SIZES: dict[str, int] = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "int
                              "num_layers": 1 << 10, "num_heads": 1 << 10, "num_kv_heads": 1 << 10,
                              "head_dim": 1 << 12, "max_position_embeddings": 1 << 27}
 MOE_MAX_SIZES: dict[str, int] = {"num_experts": 1 << 12, "intermediate_size": 1 << 19}
+MAMBA_MAX_SIZES: dict[str, int] = {"num_heads": 1 << 12, "head_dim": 1 << 12, "num_groups": 1 << 10,
+                                   "state_size": 1 << 12, "conv_kernel": 1 << 6, "chunk_size": 1 << 16}
 LINEAR_ATTN_MAX_SIZES: dict[str, int] = {"num_k_heads": 1 << 10, "num_v_heads": 1 << 10, "k_head_dim": 1 << 12,
                                          "v_head_dim": 1 << 12, "conv_kernel": 1 << 6}
 HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
             "num_kv_heads": "num_key_value_heads", "moe.intermediate_size": "moe_intermediate_size",
             "linear_attn.num_k_heads": "linear_num_key_heads", "linear_attn.num_v_heads": "linear_num_value_heads",
             "linear_attn.k_head_dim": "linear_key_head_dim", "linear_attn.v_head_dim": "linear_value_head_dim",
-            "linear_attn.conv_kernel": "linear_conv_kernel_dim"}
+            "linear_attn.conv_kernel": "linear_conv_kernel_dim", "mamba.num_heads": "mamba_n_heads",
+            "mamba.head_dim": "mamba_d_head", "mamba.num_groups": "mamba_n_groups",
+            "mamba.state_size": "mamba_d_state", "mamba.conv_kernel": "mamba_d_conv",
+            "mamba.chunk_size": "mamba_chunk_size"}
 
 
 def _int(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
@@ -262,6 +306,8 @@ def check_sizes(cfg: ModelConfig) -> None:
                              f"(expected 0 to {MOE_MAX_SIZES['intermediate_size']})")
     if cfg.linear_attn is not None:
         _check(cfg.linear_attn, LINEAR_ATTN_MAX_SIZES, "linear_attn.")
+    if cfg.mamba is not None:
+        _check(cfg.mamba, MAMBA_MAX_SIZES, "mamba.")
 
 
 def _rope(params: dict[str, Any] | None, theta: float, cfg: dict[str, Any]) -> RopeConfig:
@@ -290,7 +336,32 @@ def _rope(params: dict[str, Any] | None, theta: float, cfg: dict[str, Any]) -> R
     )
 
 
+# Granite 4.0-H names its layers mamba / attention; transformers 5 writes them back as linear_attention /
+# full_attention (`configuration_utils._LEGACY_LAYER_TYPE_REMAP`). Either spelling is read.
+GRANITE_LAYER_TYPES = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": FULL, "full_attention": FULL}
+
+
+def _granite_layer_types(cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    key = "layer_types" if cfg.get("layer_types") else "layers_block_type"
+    names = cfg.get(key)
+    if not names:  # transformers' default: every layer a Mamba layer
+        return (MAMBA,) * num_layers
+    if not isinstance(names, list):
+        raise ValueError(f"config field '{key}' must be a list of layer types, got {names!r}")
+    unknown = sorted({str(t) for t in names if t not in GRANITE_LAYER_TYPES})
+    if unknown:
+        raise ValueError(
+            f"config field '{key}' has unknown layer type(s) {unknown} for granitemoehybrid; "
+            f"allowed: {sorted(GRANITE_LAYER_TYPES)}"
+        )
+    if len(names) != num_layers:
+        raise ValueError(f"config field '{key}' must list {num_layers} layers, got {len(names)}")
+    return tuple(GRANITE_LAYER_TYPES[t] for t in names)
+
+
 def _layer_types(model_type: str, cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    if model_type == "granitemoehybrid":
+        return _granite_layer_types(cfg, num_layers)
     allowed = (FULL, SLIDING, LINEAR) if model_type == "qwen3_next" else (FULL, SLIDING)
     if cfg.get("layer_types"):
         types = tuple(cfg["layer_types"])
@@ -338,6 +409,7 @@ def _parse(model_type: str, cfg: dict[str, Any]) -> ModelConfig:
         raise ValueError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
     layer_types = _layer_types(model_type, cfg, num_layers)
     gemma = model_type == "gemma3_text"
+    granite = model_type == "granitemoehybrid"
 
     # Rope: transformers 5 nests parameters per layer type; classic configs keep them flat.
     rp = cfg.get("rope_parameters")
@@ -369,7 +441,8 @@ def _parse(model_type: str, cfg: dict[str, Any]) -> ModelConfig:
         model_type=model_type,
         vocab_size=_int(cfg, "vocab_size"),
         hidden_size=hidden,
-        intermediate_size=_int(cfg, "intermediate_size"),
+        # Granite: the always-on shared MLP is the dense MLP; `intermediate_size` sizes its experts
+        intermediate_size=_int(cfg, "shared_intermediate_size", 1024) if granite else _int(cfg, "intermediate_size"),
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
@@ -387,7 +460,8 @@ def _parse(model_type: str, cfg: dict[str, Any]) -> ModelConfig:
         layer_types=layer_types,
         rope=rope,
         sliding_window=_int(cfg, "sliding_window") if SLIDING in layer_types else None,
-        attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if gemma else None,
+        attn_scale=(float(cfg["query_pre_attn_scalar"]) ** -0.5 if gemma
+                    else float(cfg.get("attention_multiplier", 1.0)) if granite else None),
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
@@ -395,6 +469,11 @@ def _parse(model_type: str, cfg: dict[str, Any]) -> ModelConfig:
         linear_attn=_linear_attn(cfg) if LINEAR in layer_types else None,
         attn_output_gate=model_type == "qwen3_next",
         num_mtp_layers=_int(cfg, "num_nextn_predict_layers", 0) if model_type == "qwen3_next" else 0,
+        mamba=_mamba(cfg, hidden) if MAMBA in layer_types else None,
+        use_rope=cfg.get("position_embedding_type") == "rope" if granite else True,
+        embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)) if granite else 1.0,
+        residual_multiplier=float(cfg.get("residual_multiplier", 1.0)) if granite else 1.0,
+        logits_scaling=float(cfg.get("logits_scaling", 1.0)) if granite else 1.0,
         hf=dict(cfg),
     )
 
@@ -409,6 +488,18 @@ def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> MoEConfig | N
             norm_topk_prob=True,  # Mixtral always renormalizes the top-k
             sparse_layers=(True,) * num_layers,
             fp32_routing_weights=True,
+            experts_field="num_local_experts",
+        )
+    if model_type == "granitemoehybrid":  # top-k over all experts in every layer, or none (dense)
+        num_experts = _int(cfg, "num_local_experts", 8)
+        if num_experts == 0:
+            return None
+        return MoEConfig(
+            num_experts=num_experts,
+            num_experts_per_tok=_int(cfg, "num_experts_per_tok", 2),
+            intermediate_size=_int(cfg, "intermediate_size"),
+            norm_topk_prob=True,  # softmax over the top-k logits == renormalized top-k probabilities
+            sparse_layers=(True,) * num_layers,
             experts_field="num_local_experts",
         )
     if model_type not in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
@@ -439,4 +530,41 @@ def _linear_attn(cfg: dict[str, Any]) -> LinearAttnConfig:
         k_head_dim=_int(cfg, "linear_key_head_dim"),
         v_head_dim=_int(cfg, "linear_value_head_dim"),
         conv_kernel=_int(cfg, "linear_conv_kernel_dim", 4),
+    )
+
+
+def _limit(value: Any, key: str) -> float:
+    """A time-step bound: a number, or transformers' JSON spelling of infinity ({"__float__": "Infinity"})."""
+    if isinstance(value, dict) and set(value) == {"__float__"}:
+        value = value["__float__"]
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"time_step_limit {key} = {value!r} is not a number (e.g. [0.0, \"Infinity\"])") from None
+
+
+def _mamba(cfg: dict[str, Any], hidden: int) -> Mamba2Config:
+    num_heads = _positive(cfg, "mamba_n_heads", 128)
+    expand = _positive(cfg, "mamba_expand", 2)
+    head_dim = cfg.get("mamba_d_head", "auto")
+    head_dim = expand * hidden // num_heads if head_dim == "auto" else _int(cfg, "mamba_d_head")
+    if num_heads * head_dim != expand * hidden:
+        raise ValueError(f"mamba_n_heads ({num_heads}) x mamba_d_head ({head_dim}) must equal "
+                         f"mamba_expand ({expand}) x hidden_size ({hidden})")
+    limit = cfg.get("time_step_limit") or (0.0, math.inf)
+    if not isinstance(limit, list | tuple) or len(limit) != 2:
+        raise ValueError(f"time_step_limit = {limit!r} must be a [min, max] pair")
+    return Mamba2Config(
+        num_heads=num_heads,
+        head_dim=head_dim,
+        num_groups=_positive(cfg, "mamba_n_groups", 1),
+        state_size=_int(cfg, "mamba_d_state", 256),
+        conv_kernel=_int(cfg, "mamba_d_conv", 4),
+        chunk_size=_int(cfg, "mamba_chunk_size", 256),
+        conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+        proj_bias=bool(cfg.get("mamba_proj_bias", False)),
+        time_step_min=_limit(limit[0], "min"),
+        time_step_max=_limit(limit[1], "max"),
     )

@@ -5,6 +5,7 @@
     self_attn.{q,k,v}_proj.{weight,bias}  →  self_attn.qkv_proj.{weight,bias}   (concatenated on dim 0)
     mlp.{gate,up}_proj.{weight,bias}      →  mlp.gate_up_proj.{weight,bias}
     mlp.shared_expert.{gate,up}_proj      →  mlp.shared_expert.gate_up_proj
+    shared_mlp.{input,output}_linear      →  shared_mlp.{gate_up,down}_proj     (Granite; a rename)
    Everything else keeps its HF name; routed experts are stacked in memory by transformers as by us
    (`mlp.experts.gate_up_proj` [X, 2I, E], `mlp.experts.down_proj` [X, E, I]).
 
@@ -12,6 +13,8 @@
    writes the classic layout back on save. The files keep one tensor per expert:
     qwen*_moe:  mlp.experts.{i}.{gate,up,down}_proj.weight
     mixtral:    block_sparse_moe.experts.{i}.{w1,w3,w2}.weight  (gate, up, down), block_sparse_moe.gate
+    granitemoehybrid: stacked as in memory, named block_sparse_moe.{input_linear,output_linear}.weight and
+                block_sparse_moe.router.layer.weight (transformers' `granitemoe` WeightRenaming)
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "shared_expert.gate_up_proj": ("shared_expert.gate_proj", "shared_expert.up_proj"),
+    "shared_mlp.gate_up_proj": ("shared_mlp.input_linear",),  # one part: a rename
+    "shared_mlp.down_proj": ("shared_mlp.output_linear",),
 }
 # Tensors some checkpoints carry that are derived at run time, not weights.
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -50,7 +55,7 @@ def hf_module_name(ours: str) -> str:
     """HF module path for one of our module paths (fused modules map to their first part)."""
     prefix = _prefix(ours)
     for fused, parts in FUSED.items():
-        if ours.endswith(fused):
+        if ours.endswith("." + fused):  # the dot: `shared_mlp.gate_up_proj` is not `mlp.gate_up_proj`
             return prefix + ours[: -len(fused)] + parts[0]
     return prefix + ours
 
@@ -73,9 +78,22 @@ def router_file_name(model_type: str) -> str:
     return "block_sparse_moe.gate" if model_type == "mixtral" else "mlp.gate"
 
 
+# in-memory → file names of the stacked expert tensors, per family that renames them on save
+_FILE_RENAMES = {
+    "granitemoehybrid": {
+        "block_sparse_moe.experts.gate_up_proj": "block_sparse_moe.input_linear.weight",
+        "block_sparse_moe.experts.down_proj": "block_sparse_moe.output_linear.weight",
+        "block_sparse_moe.router.weight": "block_sparse_moe.router.layer.weight",
+    },
+}
+
+
 def checkpoint_names(hf: str, model_type: str, num_experts: int) -> list[str] | list[list[str]]:
     """The checkpoint-file tensors an in-memory HF tensor is built from: for stacked experts a list
     per expert (stacked on a new dim 0) of parts concatenated on dim 0; else the one file name."""
+    for memory, file in _FILE_RENAMES.get(model_type, {}).items():
+        if hf.endswith("." + memory):
+            return [hf[: -len(memory)] + file]
     head, sep, tail = hf.partition(".mlp.")
     if not sep:
         return [hf]

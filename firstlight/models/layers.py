@@ -199,6 +199,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.use_rope = cfg.use_rope  # False: no position embedding at all (NoPE, Granite 4.0-H)
 
     def forward(
         self,
@@ -220,7 +221,8 @@ class Attention(nn.Module):
         v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # v: [B, Hkv, S, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.use_rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = cache.update(self.layer, k, v)  # k, v: [B, Hkv, L, D]
         causal = isinstance(mask, str)
         out = F.scaled_dot_product_attention(

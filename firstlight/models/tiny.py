@@ -76,6 +76,17 @@ TINY: dict[str, dict[str, Any]] = {
         "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
     },
+    # hybrid: Mamba-2 layers around one attention layer (NoPE, as Granite 4.0-H), 2 SSM groups, routed
+    # experts + a shared MLP, Granite's muP multipliers away from 1, a scan chunk shorter than the prompts
+    "granitemoehybrid": {
+        "tie_word_embeddings": False, "intermediate_size": 32, "shared_intermediate_size": 48,
+        "num_local_experts": 4, "num_experts_per_tok": 2,
+        "layer_types": ["mamba", "mamba", "attention", "mamba"], "position_embedding_type": "nope",
+        "mamba_n_heads": 8, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_d_head": 16, "mamba_d_conv": 4,
+        "mamba_expand": 2, "mamba_chunk_size": 8,
+        "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2,
+        "logits_scaling": 2.0,
+    },
 }
 ALIASES = {"gemma3": "gemma3_text"}
 SPECIAL = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]

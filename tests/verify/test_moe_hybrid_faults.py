@@ -96,3 +96,11 @@ def test_weight_fault_options():
         Fault("weight")
     with pytest.raises(TargetError, match="no parameter matches param=nope"):
         Fault("weight", param="nope").plant_weight(torch.nn.Linear(2, 2))
+
+
+def test_unsupported_family_is_refused_by_name(tiny_dirs):
+    """Granite 4.0-H's layers do not fit the sub-layer boundaries yet: a one-line error, not a crash."""
+    from firstlight.targets.base import TargetError
+
+    with pytest.raises(TargetError, match="verify does not support granitemoehybrid yet: .*Mamba-2"):
+        run_verify(tiny_dirs["granitemoehybrid"], get_target("eager"), "eager", config=CFG)

@@ -72,10 +72,17 @@ def test_hybrid_engine_keeps_state_slots_and_turns_prefix_caching_off(family_mod
     assert engine.kv.num_free_slots == 3
 
 
-def test_hybrid_engine_rejects_speculative_decoding_for_now(family_models):
+def test_hybrid_engine_speculates_with_a_per_token_state_rollback(family_models):
+    """Speculation on a hybrid model: the verify pass keeps its recurrent states per token (exactness
+    over many steps and partial acceptances is in tests/speculative/test_mtp.py)."""
     from firstlight.engine.speculative.config import SpecConfig
-    from firstlight.errors import FirstlightError
 
     model, tok = family_models("qwen3_next")
-    with pytest.raises(FirstlightError, match="speculative decoding is not supported for qwen3_next"):
-        LLMEngine(model, tok, EngineConfig(num_blocks=64, speculative=SpecConfig(method="ngram")))
+    engine = LLMEngine(model, tok, EngineConfig(block_size=4, num_blocks=64, speculative=SpecConfig("mtp", 2)))
+    p = prompts(1, seed=3)[0]
+    engine.add_request(p, GREEDY)
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.finished]
+    assert outs[0].output_token_ids == list(generate_tokens(model, p, 10))
+    assert engine.spec.stats.num_drafts > 0

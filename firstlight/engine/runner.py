@@ -19,6 +19,10 @@ model's recurrent state slots stay in their own dtypes. `update` quantizes the n
 them, and dequantizes what it gathers; the model's attention is unchanged. A block then costs (1 + 4/D) bytes per element instead of the model dtype's 2 or 4, so the
 same --kv-cache-gib holds about 3.8x (fp32 model) or 1.9x (bf16) the tokens at D = 64.
 
+Speculative rows of hybrid models (recurrent layers): a forward with verify rows runs the delta rule
+token by token and keeps the recurrent state after every token (`keep_token_states`); after rejection
+sampling, `keep_accepted_states` writes the state after each row's last accepted token into its slot.
+
 Compiled decode (`compile_decode=True`): the decode forward is `torch.compile`d (inductor, fullgraph),
 and every decode batch is padded up to a shape bucket, as vLLM does for CUDA graphs: B to the next
 of 1, 2, 4, ..., max_num_seqs and L to the next of 1, 2, 3, 4, 6, 8, 12, ... blocks (times block_size),

@@ -54,6 +54,40 @@ def test_greedy_engine_output_identical_to_no_speculation(hybrid, plain_tokens, 
     assert engine.kv.num_used_blocks == 0 and engine.kv.num_free_slots == engine.kv.num_slots
 
 
+def test_per_request_k_and_adaptive_k_keep_the_output(hybrid, plain_tokens):
+    """Requests that never speculate (k = 0), fewer proposals than the engine's k, and adaptive k (which
+    turns proposals off for steps at a time, so the MTP layer later catches up over several positions)."""
+    model, tok = hybrid
+    ks = [0, 1, 3, None, 2, None]
+    params = [GREEDY.model_copy(update={"num_speculative_tokens": k}) for k in ks]
+    spec = SpecConfig("mtp", num_spec_tokens=3, adaptive_k=True, pass_costs=(1.0, 1.1, 1.2, 1.3))
+    engine = _engine(model, tok, spec)
+    ids = [engine.add_request(p, sp).request_id for p, sp in zip(prompts(6, seed=4), params, strict=True)]
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o.output_token_ids for o in engine.step() if o.finished})
+        engine.kv.check_invariants()
+    assert [done[i] for i in ids] == plain_tokens
+    assert engine.spec.stats.num_drafts > 0 and not engine.spec._pending
+
+
+def test_seeded_sampling_reproducible_across_batch_orders(hybrid):
+    model, tok = hybrid
+    ps = prompts(4, seed=6)
+    params = [SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=i, ignore_eos=True) for i in range(4)]
+
+    def run(order):  # a roomy budget: trimming proposals to a small one depends on the batch order
+        engine = _engine(model, tok, SpecConfig("mtp", num_spec_tokens=3), budget=2048)
+        ids = {engine.add_request(ps[i], params[i]).request_id: i for i in order}
+        done = {}
+        while engine.has_unfinished():
+            done.update({ids[o.request_id]: o.output_token_ids for o in engine.step() if o.finished})
+        return [done[i] for i in range(4)], engine.spec.stats.num_drafts
+
+    (a, num_drafts), (b, _) = run([0, 1, 2, 3]), run([3, 2, 1, 0])
+    assert a == b and num_drafts > 0
+
+
 def _reference_proposals(model, token_ids, k):
     """MTP proposals from scratch (no cache): the target over the whole sequence, then the MTP layer over
     every position, its own output standing in for the target's hidden state at each new position."""

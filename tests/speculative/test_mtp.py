@@ -158,10 +158,15 @@ def test_rejected_proposals_leave_the_recurrent_state_untouched(hybrid, plain_to
     assert per_pos[0] > per_pos[3] > 0  # accepted runs of every length, and rejections after them
 
 
-def test_mtp_on_a_checkpoint_without_an_mtp_layer_is_a_clear_error(tiny_checkpoint, tmp_path):
+@pytest.fixture(scope="module")
+def no_mtp_ckpt(tmp_path_factory):
     from firstlight.models.tiny import write_tiny_checkpoint
 
-    no_mtp, tok = load_model(write_tiny_checkpoint(tmp_path / "no-mtp", "qwen3_next", seed=1, num_nextn_predict_layers=0))
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("no-mtp"), "qwen3_next", seed=1, num_nextn_predict_layers=0)
+
+
+def test_mtp_on_a_checkpoint_without_an_mtp_layer_is_a_clear_error(tiny_checkpoint, no_mtp_ckpt):
+    no_mtp, tok = load_model(no_mtp_ckpt)
     with pytest.raises(FirstlightError, match=r"num_nextn_predict_layers = 0 and no mtp\.\* weights"):
         _engine(no_mtp, tok, SpecConfig("mtp"))
     llama, tok = load_model(tiny_checkpoint("llama", seed=0))
@@ -173,3 +178,20 @@ def test_draft_proposer_on_a_hybrid_model_is_a_clear_error(hybrid):
     model, tok = hybrid
     with pytest.raises(FirstlightError, match="recurrent layers.*use --speculative mtp or ngram"):
         _engine(model, tok, SpecConfig("draft", draft_layers=2))
+
+
+def test_serve_mtp_without_an_mtp_layer_exits_with_the_message(no_mtp_ckpt):
+    """The CLI path: the error is printed on one line and `serve` exits 1 before binding a port."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import firstlight
+
+    cmd = [sys.executable, "-c", "from firstlight.cli import main; main()", "serve", "--model", str(no_mtp_ckpt),
+           "--speculative", "mtp", "--port", "0"]
+    env = {**os.environ, "PYTHONPATH": str(Path(firstlight.__file__).parents[1])}  # this checkout's package
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 1, res.stderr
+    assert "num_nextn_predict_layers = 0" in res.stderr and "Traceback" not in res.stderr

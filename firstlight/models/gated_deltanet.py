@@ -81,8 +81,8 @@ def recurrent_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrence token by token (decode: S = 1). Same shapes as `chunked_delta_rule`."""
-    out, states = recurrent_states(q, k, v, g, beta, state)
-    return out, states[:, -1]
+    out, state, _ = _recurrence(q, k, v, g, beta, state, keep_states=False)
+    return out, state
 
 
 def recurrent_states(
@@ -91,6 +91,14 @@ def recurrent_states(
     """The recurrence token by token, keeping the state after every token: (o [B, H, S, Dv],
     states [B, S, H, Dk, Dv]). A speculative verify pass keeps them so that the state after the last
     accepted proposal can be put back when later proposals are rejected."""
+    out, _, states = _recurrence(q, k, v, g, beta, state, keep_states=True)
+    return out, torch.stack(states, dim=1)
+
+
+def _recurrence(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    keep_states: bool,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     outs, states = [], []
     for t in range(q.shape[2]):
         state = state * g[:, :, t].exp()[..., None, None]
@@ -98,8 +106,9 @@ def recurrent_states(
         delta = (v[:, :, t] - predicted) * beta[:, :, t].unsqueeze(-1)
         state = state + k[:, :, t].unsqueeze(-1) * delta.unsqueeze(-2)
         outs.append((state * q[:, :, t].unsqueeze(-1)).sum(-2))
-        states.append(state)
-    return torch.stack(outs, dim=2), torch.stack(states, dim=1)
+        if keep_states:
+            states.append(state)
+    return torch.stack(outs, dim=2), state, states
 
 
 class GatedRMSNorm(nn.Module):

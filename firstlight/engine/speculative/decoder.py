@@ -194,8 +194,9 @@ class SpecDecoder:
             tokens = prop.token_ids[: ask.num_spec_tokens]
             req.spec_token_ids = list(tokens)
             self._q[req.request_id] = None if prop.probs is None else prop.probs[: len(tokens)]
-            if ask.hidden_states is not None:  # the proposer has them now
-                self._pending[req.request_id] = (ask.hidden_start + len(ask.hidden_states), ask.hidden_states[:0])
+            if ask.hidden_states is not None:  # the proposer has them now (an empty view would pin the pass's tensor)
+                h = ask.hidden_states
+                self._pending[req.request_id] = (ask.hidden_start + len(h), h.new_empty(0, h.shape[-1]))
 
     def free(self, request_id: str) -> None:
         self._q.pop(request_id, None)

@@ -104,11 +104,12 @@ def _proposer_under_test(method, tiny, tiny_checkpoint):
 def test_proposer_drafts_keep_the_target_distribution(tiny, tiny_checkpoint, method):
     """The same losslessness, end to end with a real proposer: its sampled drafts and the q it reports
     for them, through the rejection sampler, give first tokens distributed as the target's p (T = 0.5),
-    not as the proposer's q. A proposer whose q is not what it drew from fails this."""
+    not as the proposer's q. A proposer whose q is not what it drew from fails this: the MTP proposer
+    reporting q at T = 1 while drawing at T = 0.5 shifts the output by 0.024 (L2), over the bound."""
     from firstlight.engine.speculative.base import SpecRequest
 
     model, proposer = _proposer_under_test(method, tiny, tiny_checkpoint)
-    context, n, k, temperature = [1, 40, 41, 42, 43, 40, 41], 3000, 2, 0.5
+    context, n, k, temperature = [1, 40, 41, 42, 43, 40, 41], 10_000, 2, 0.5
     with torch.inference_mode():
         hidden = model.forward_hidden(torch.tensor([context]), torch.arange(len(context))[None])[0]  # [N, E]
         p1 = torch.softmax(model.compute_logits(hidden[-1]).float() / temperature, -1)  # [V]
@@ -124,5 +125,8 @@ def test_proposer_drafts_keep_the_target_distribution(tiny, tiny_checkpoint, met
     # the first emitted token depends on p at the first position only
     out = rejection_sample(p1.expand(n, k + 1, -1), ids, [k] * n, q, shared_generator=gen)
     emp = torch.bincount(torch.tensor([o[0] for o in out]), minlength=len(p1)).float() / n
-    assert float((emp - p1).norm()) < 3 / n**0.5  # E|emp - p|^2 = (1 - sum p^2) / n
+    # n |emp - p|^2 has mean 1 - sum p^2 and variance <= 2 sum p^2 (multinomial, Gaussian limit): 6 sd
+    sum_p2 = float((p1 * p1).sum())
+    bound = ((1 - sum_p2 + 6 * (2 * sum_p2) ** 0.5) / n) ** 0.5
+    assert float((emp - p1).norm()) < bound
     assert float((emp - q1).norm()) > 3 * float((emp - p1).norm())

@@ -88,6 +88,8 @@ class MTPProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, requests: list[SpecRequest]) -> list[Proposal]:
+        if not requests:
+            return []
         slots = [self.pool.acquire(r.request_id) for r in requests]
         last: dict[int, torch.Tensor] = {}  # row -> the MTP output at its newest position [E]
         catch_up: dict[int, list[int]] = defaultdict(list)  # catch-up length -> rows

@@ -24,7 +24,7 @@ def serve(
     compile_decode: bool = typer.Option(False, help="torch.compile the decode forward (shape-bucketed: a bounded number of graphs)."),
     quantization: str = typer.Option("none", help="Weight quantization: none, int8, int4, fp8, w8a8."),
     threads: int | None = typer.Option(None, help="torch intra-op threads (default: torch's)."),
-    speculative: str = typer.Option("none", help="Speculative decoding: none, ngram, draft, heads."),
+    speculative: str = typer.Option("none", help="Speculative decoding: none, ngram, draft, heads, mtp (the checkpoint's own MTP layer)."),
     num_spec_tokens: int = typer.Option(4, help="Tokens proposed and verified per step when speculating "
                                         "(with --adaptive-k: the most per step)."),
     adaptive_k: bool = typer.Option(False, help="Per request and step, propose the number of tokens with the most "

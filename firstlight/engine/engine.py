@@ -50,7 +50,7 @@ class EngineConfig:
     free_out_of_window: bool = True
     seed: int = 0
     trace_path: str | Path | None = None
-    speculative: SpecConfig | None = None  # a proposer (ngram, draft, heads) and its k; None = off
+    speculative: SpecConfig | None = None  # a proposer (ngram, draft, heads, mtp) and its k; None = off
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
@@ -115,15 +115,11 @@ class LLMEngine:
         # hybrid models: one recurrent state slot per running request, next to the KV blocks
         num_slots = config.max_num_seqs if mcfg.state_layers else 0
         self.prefix_caching_off_reason: str | None = None
-        if num_slots:
-            if config.speculative is not None:
-                raise FirstlightError(
-                    f"speculative decoding is not supported for {mcfg.model_type} yet: its recurrent layers "
-                    "would need their state rolled back for rejected proposals; drop --speculative"
-                )
-            if config.enable_prefix_caching:
-                self.prefix_caching_off_reason = PREFIX_CACHING_OFF_REASON
-                logger.warning("%s (%s)", PREFIX_CACHING_OFF_REASON, mcfg.model_type)
+        # (speculative decoding is fine for them: a verify pass keeps the recurrent state after every
+        # token and the runner puts back the one after the last accepted token, `keep_accepted_states`)
+        if num_slots and config.enable_prefix_caching:
+            self.prefix_caching_off_reason = PREFIX_CACHING_OFF_REASON
+            logger.warning("%s (%s)", PREFIX_CACHING_OFF_REASON, mcfg.model_type)
         state_bytes = num_slots * ModelRunner.state_bytes_per_slot(model)
         num_blocks = config.num_blocks or max(
             1, (config.kv_cache_bytes - state_bytes)
@@ -169,6 +165,7 @@ class LLMEngine:
 
             self.spec = SpecDecoder(config.speculative, model, tokenizer, self.sampler)
             self.runner.keep_hidden = self.spec.needs_hidden
+            self.runner.keep_all_hidden = self.spec.needs_all_hidden
         self.metrics = EngineMetrics()
         self._states: dict[str, _RequestState] = {}
         self._next_id = 0
@@ -286,7 +283,10 @@ class LLMEngine:
                 if lp is not None:
                     new_lps[rid] = lp
         if self.spec is not None:
-            sampled.update(self.spec.verify(exec_out, requests))
+            spec_tokens = self.spec.verify(exec_out, requests)
+            # hybrid models: the recurrent state after the last accepted token, not the last proposal
+            self.runner.keep_accepted_states({rid: len(toks) - 1 for rid, toks in spec_tokens.items()})
+            sampled.update(spec_tokens)
         self._record_prompt_logprobs(batch, exec_out.prompt_logits)
         touched = self.scheduler.update(batch, sampled)
         if self.spec is not None:

@@ -19,6 +19,10 @@ model's recurrent state slots stay in their own dtypes. `update` quantizes the n
 them, and dequantizes what it gathers; the model's attention is unchanged. A block then costs (1 + 4/D) bytes per element instead of the model dtype's 2 or 4, so the
 same --kv-cache-gib holds about 3.8x (fp32 model) or 1.9x (bf16) the tokens at D = 64.
 
+Speculative rows of hybrid models (recurrent layers): a forward with verify rows runs the delta rule
+token by token and keeps the recurrent state after every token (`keep_token_states`); after rejection
+sampling, `keep_accepted_states` writes the state after each row's last accepted token into its slot.
+
 Compiled decode (`compile_decode=True`): the decode forward is `torch.compile`d (inductor, fullgraph),
 and every decode batch is padded up to a shape bucket, as vLLM does for CUDA graphs: B to the next
 of 1, 2, 4, ..., max_num_seqs and L to the next of 1, 2, 3, 4, 6, 8, 12, ... blocks (times block_size),
@@ -78,6 +82,10 @@ class PagedKVCache:
         self.k_pools, self.v_pools = k_pools, v_pools
         self.state_pools = state_pools or {}  # layer -> (conv pool, recurrent pool), [slots, ...] each
         self.state_slots = state_slots  # [B] the slot of each row
+        # a verify pass over speculative rows: recurrent layers also report the state after every
+        # token, layer -> (conv [B, S, C, K-1], ssm [B, S, Hv, Dk, Dv]), for rolling back rejections
+        self.keep_token_states = False
+        self.token_states: dict[int, tuple[torch.Tensor, ...]] = {}
         self.scale_pools, self.kv_format, self.dtype = scale_pools, kv_format, dtype
         self.views = views  # layer type -> its group's slots
         # layer -> the view of its type (recurrent layers: any view; they never call update)
@@ -148,6 +156,9 @@ class PagedKVCache:
         for pool, new in zip(self.state_pools[layer], state, strict=True):
             pool.index_copy_(0, self.state_slots, new.to(pool.dtype))
 
+    def set_token_states(self, layer: int, *states: torch.Tensor) -> None:
+        self.token_states[layer] = states
+
 
 @dataclass
 class ExecuteOutput:
@@ -159,6 +170,9 @@ class ExecuteOutput:
     spec_logits: dict[str, torch.Tensor] = field(default_factory=dict)
     # with `keep_hidden`: final hidden states at those same positions, [1 + k, E] (k = 0: [1, E])
     hidden: dict[str, torch.Tensor] = field(default_factory=dict)
+    # with `keep_all_hidden`: final hidden states of every token each row computed, [S, E], the first at
+    # position num_computed_tokens (prefill chunks too; speculative rows: [1 + k, E])
+    all_hidden: dict[str, torch.Tensor] = field(default_factory=dict)
     prompt_logits: dict[str, torch.Tensor] = field(default_factory=dict)  # rid -> [num_tokens, V]
     num_forwards: int = 0
 
@@ -307,6 +321,9 @@ class ModelRunner:
         }
         self.state_slot_of: Callable[[str], int] | None = None  # request id -> its slot (the cache manager's)
         self.keep_hidden = False  # a heads proposer needs the hidden states that sampled
+        self.keep_all_hidden = False  # an MTP proposer needs the hidden state of every position
+        # hybrid models, last verify pass: request id -> (its row's per-token states by layer, row)
+        self._token_states: dict[str, tuple[dict[int, tuple[torch.Tensor, ...]], int]] = {}
         self._forward: Callable[..., torch.Tensor] = model.forward_hidden
         self.compile_decode = compile_decode
         max_keys = min(max_model_len or cfg.max_position_embeddings, num_blocks * block_size)
@@ -370,6 +387,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: Batch, requests: dict[str, Request]) -> ExecuteOutput:
         out = ExecuteOutput()
+        self._token_states.clear()
         groups: dict[int, list[ScheduledSeq]] = defaultdict(list)
         for seq in batch.seqs:
             groups[seq.num_tokens].append(seq)
@@ -400,7 +418,15 @@ class ModelRunner:
             hidden = self._run_compiled_decode(seqs, input_ids, positions)
         else:
             cache = self._make_cache(seqs, positions)
+            # a hybrid model's verify pass keeps the recurrent state after every token (rollback)
+            spec_rows = [i for i, s in enumerate(seqs) if s.num_spec_tokens]
+            cache.keep_token_states = bool(self.state_pools) and bool(spec_rows)
             hidden = self._forward(input_ids.to(dev), positions.to(dev), cache)  # [B, S, E]
+            for i in spec_rows if cache.keep_token_states else ():
+                self._token_states[seqs[i].request_id] = (cache.token_states, i)
+        if self.keep_all_hidden:
+            for i, s in enumerate(seqs):
+                out.all_hidden[s.request_id] = hidden[i]
 
         want_prompt = [
             requests[s.request_id].sampling_params.prompt_logprobs is not None and s.is_prefill for s in seqs
@@ -425,6 +451,24 @@ class ModelRunner:
             logits_by_id[seqs[i].request_id] = self.model.compute_logits(h)
             if self.keep_hidden:
                 out.hidden[seqs[i].request_id] = h
+
+    @torch.inference_mode()
+    def keep_accepted_states(self, num_accepted: dict[str, int]) -> None:
+        """Hybrid models, after verification: a verify pass over 1 + k tokens left each row's recurrent
+        state after its last proposal; put back the state after its last accepted token (the pass kept
+        the state after every token), so rejected proposals leave no trace. vLLM keeps such per-token
+        states in extra cache slots for the same reason."""
+        for rid, accepted in num_accepted.items():
+            kept = self._token_states.pop(rid, None)
+            if kept is None:
+                continue
+            states, row = kept
+            assert self.state_slot_of is not None
+            slot = self.state_slot_of(rid)
+            for layer, per_token in states.items():
+                for pool, t in zip(self.state_pools[layer], per_token, strict=True):
+                    pool[slot] = t[row, accepted].to(pool.dtype)
+        self._token_states.clear()
 
     def _run_compiled_decode(
         self, seqs: list[ScheduledSeq], input_ids: torch.Tensor, positions: torch.Tensor

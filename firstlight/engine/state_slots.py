@@ -6,6 +6,9 @@ allocation and gives it back when its blocks are freed (finished, aborted or pre
 preempted request recomputes its state from scratch, exactly as it recomputes its KV. A chunked
 prefill keeps its slot from chunk to chunk: the state after each chunk is where the next resumes.
 
+Speculative decoding needs nothing here: the runner restores the state after the last accepted
+token of a verify pass (`ModelRunner.keep_accepted_states`) in the request's own slot.
+
 Prefix caching is off: a cached block would give the KV of a prefix but not the recurrent state
 after it (that would need a state snapshot per block boundary, as vLLM's mamba "align" cache mode
 keeps). Invariants: every slot is either free or held by exactly one request, and a request holds a

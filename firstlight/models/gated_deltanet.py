@@ -16,6 +16,8 @@ Yang et al. 2024, sec. 3.2), and only the chunk-to-chunk state hand-off stays se
 Before the mixer, q/k/v pass a causal depthwise conv (kernel K) with SiLU; its state is the last
 K-1 inputs. After it, a gated RMSNorm: norm(o) * silu(z). Both states (conv, S) live in the cache
 (`get_state` / `set_state`, see kv_cache.py), so a prefill may run in chunks and resume anywhere.
+A cache with `keep_token_states` (the engine's speculative verify pass) also gets the states after
+every token of the pass (`set_token_states`), so rejected proposals can be rolled back.
 """
 
 from __future__ import annotations
@@ -79,14 +81,34 @@ def recurrent_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrence token by token (decode: S = 1). Same shapes as `chunked_delta_rule`."""
-    outs = []
+    out, state, _ = _recurrence(q, k, v, g, beta, state, keep_states=False)
+    return out, state
+
+
+def recurrent_states(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence token by token, keeping the state after every token: (o [B, H, S, Dv],
+    states [B, S, H, Dk, Dv]). A speculative verify pass keeps them so that the state after the last
+    accepted proposal can be put back when later proposals are rejected."""
+    out, _, states = _recurrence(q, k, v, g, beta, state, keep_states=True)
+    return out, torch.stack(states, dim=1)
+
+
+def _recurrence(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    keep_states: bool,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    outs, states = [], []
     for t in range(q.shape[2]):
         state = state * g[:, :, t].exp()[..., None, None]
         predicted = (state * k[:, :, t].unsqueeze(-1)).sum(-2)  # S^T k: [B, H, Dv]
         delta = (v[:, :, t] - predicted) * beta[:, :, t].unsqueeze(-1)
         state = state + k[:, :, t].unsqueeze(-1) * delta.unsqueeze(-2)
         outs.append((state * q[:, :, t].unsqueeze(-1)).sum(-2))
-    return torch.stack(outs, dim=2), state
+        if keep_states:
+            states.append(state)
+    return torch.stack(outs, dim=2), state, states
 
 
 class GatedRMSNorm(nn.Module):
@@ -138,10 +160,11 @@ class GatedDeltaNet(nn.Module):
         return mixed, z.reshape(batch, seq, hv, dv), b.reshape(batch, seq, hv), a.reshape(batch, seq, hv)
 
     def _conv(self, mixed: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Causal depthwise conv + SiLU over [B, S, C] after the K-1 carried inputs [B, C, K-1]."""
+        """Causal depthwise conv + SiLU over [B, S, C] after the K-1 carried inputs [B, C, K-1]
+        → (output [B, S, C], the inputs carried on: [B, C, K-1+S], the last K-1 of them the new state)."""
         x = torch.cat([conv_state, mixed.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # [B, C, K-1+S]
         out = F.conv1d(x, self.conv1d.weight, groups=x.shape[1])  # [B, C, S]
-        return F.silu(out).transpose(1, 2).to(mixed.dtype), x[:, :, x.shape[-1] - (self.conv_kernel - 1):]
+        return F.silu(out).transpose(1, 2).to(mixed.dtype), x
 
     def forward(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
         batch, seq, _ = x.shape  # x: [B, S, E]
@@ -152,7 +175,8 @@ class GatedDeltaNet(nn.Module):
             rec_state = x.new_zeros(batch, self.num_v_heads, self.k_head_dim, self.v_head_dim, dtype=torch.float32)
         else:
             conv_state, rec_state = state
-        mixed, conv_state = self._conv(mixed, conv_state)
+        mixed, conv_inputs = self._conv(mixed, conv_state)
+        conv_state = conv_inputs[:, :, seq:]  # the last K-1 inputs: [B, C, K-1]
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(batch, seq, self.num_k_heads, self.k_head_dim)
         k = k.reshape(batch, seq, self.num_k_heads, self.k_head_dim)
@@ -165,8 +189,15 @@ class GatedDeltaNet(nn.Module):
         q, k, v, g, beta = (t.transpose(1, 2).float() for t in (q, k, v, g, beta))
         q, k = l2norm(q), l2norm(k)
         q = q * self.k_head_dim**-0.5
-        rule = recurrent_step if seq == 1 else chunked_delta_rule
-        out, rec_state = rule(q, k, v, g, beta, rec_state.float())
+        if seq > 1 and getattr(cache, "keep_token_states", False):
+            # a speculative verify pass: keep the state after every token (rollback to any prefix)
+            out, rec_states = recurrent_states(q, k, v, g, beta, rec_state.float())
+            rec_state = rec_states[:, -1]
+            conv_states = conv_inputs.unfold(-1, self.conv_kernel - 1, 1)[:, :, 1:]  # [B, C, S, K-1]
+            cache.set_token_states(self.layer, conv_states.transpose(1, 2), rec_states)
+        else:
+            rule = recurrent_step if seq == 1 else chunked_delta_rule
+            out, rec_state = rule(q, k, v, g, beta, rec_state.float())
         cache.set_state(self.layer, conv_state, rec_state)
         out = out.transpose(1, 2).to(x.dtype)  # [B, S, Hv, Dv]
         out = self.norm(out, z).reshape(batch, seq, self.value_dim)

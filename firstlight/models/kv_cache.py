@@ -12,6 +12,9 @@ Layers with a recurrent state instead of K/V (linear attention, SSM) read and wr
     cache.set_state(layer, *state)                # after the pass: the state after its last token
 
 so a chunked prefill carries the state from chunk to chunk, as attention layers carry their K/V.
+A cache whose `keep_token_states` is True (the engine's speculative verify pass) also receives the
+state after every token of the pass, `set_token_states(layer, conv [B, S, C, K-1], ssm [B, S, ...])`,
+so that the state after any accepted prefix can be restored when later proposals are rejected.
 
 `positions[b, s]` is the absolute position of new token s of row b, or -1 for padding.
 `key_positions[b, j]` is the absolute position of key j in the tensors `update` returns, or -1 where

@@ -71,12 +71,22 @@ def ssd_recurrent(
     x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrence token by token (decode: S = 1). Same shapes as `ssd_chunked`."""
-    outs = []
+    y, states = ssd_token_states(x, dt, a, b, c, state)
+    return y, states[:, -1]
+
+
+def ssd_token_states(
+    x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence token by token, keeping the state after every token: (y [B, H, S, P], states
+    [B, S, H, P, N]); a speculative verify pass rolls back to any of them."""
+    outs, states = [], []
     for t in range(x.shape[2]):
         step = dt[:, :, t, None, None]  # [B, H, 1, 1]
         state = state * (step * a[:, None, None]).exp() + step * x[:, :, t, :, None] * b[:, :, t, None, :]
         outs.append((state * c[:, :, t, None, :]).sum(-1))  # S C: [B, H, P]
-    return torch.stack(outs, dim=2), state
+        states.append(state)
+    return torch.stack(outs, dim=2), torch.stack(states, dim=1)
 
 
 class GroupedGatedRMSNorm(nn.Module):
@@ -124,10 +134,11 @@ class Mamba2Mixer(nn.Module):
         return (m.conv_dim, m.conv_kernel - 1), (m.num_heads, m.head_dim, m.state_size)
 
     def _conv(self, xbc: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Causal depthwise conv + activation over [B, S, C] after the K-1 carried inputs [B, C, K-1]."""
+        """Causal depthwise conv + activation over [B, S, C] after the K-1 carried inputs [B, C, K-1];
+        also the inputs it read, [B, C, K-1+S] (the last K-1 are the next conv state)."""
         x = torch.cat([conv_state, xbc.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # [B, C, K-1+S]
         out = F.conv1d(x, self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)  # [B, C, S]
-        return self.act(out).transpose(1, 2).to(xbc.dtype), x[:, :, x.shape[-1] - (self.conv_kernel - 1):]
+        return self.act(out).transpose(1, 2).to(xbc.dtype), x
 
     def forward(self, hidden: torch.Tensor, cache: KVCache) -> torch.Tensor:
         batch, seq, _ = hidden.shape  # hidden: [B, S, E]
@@ -138,7 +149,8 @@ class Mamba2Mixer(nn.Module):
             ssm_state = hidden.new_zeros(batch, self.num_heads, self.head_dim, self.state_size, dtype=torch.float32)
         else:
             conv_state, ssm_state = state
-        xbc, conv_state = self._conv(xbc, conv_state)
+        xbc, conv_inputs = self._conv(xbc, conv_state)
+        conv_state = conv_inputs[:, :, conv_inputs.shape[-1] - (self.conv_kernel - 1):]
         gn = self.num_groups * self.state_size
         x, b, c = xbc.split([self.intermediate, gn, gn], dim=-1)
         heads_per_group = self.num_heads // self.num_groups
@@ -148,8 +160,15 @@ class Mamba2Mixer(nn.Module):
                 .repeat_interleave(heads_per_group, dim=1) for t in (b, c))
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(self.dt_min, self.dt_max).transpose(1, 2)  # [B, H, S]
         a = -self.A_log.float().exp()  # [H]
-        scan = ssd_recurrent if seq == 1 else ssd_chunked
-        y, ssm_state = scan(x, dt, a, b, c, ssm_state.float())
+        if seq > 1 and getattr(cache, "keep_token_states", False):
+            # a speculative verify pass: keep the states after every token (rollback to any prefix)
+            y, ssm_states = ssd_token_states(x, dt, a, b, c, ssm_state.float())
+            ssm_state = ssm_states[:, -1]
+            conv_states = conv_inputs.unfold(-1, self.conv_kernel - 1, 1)[:, :, 1:]  # [B, C, S, K-1]
+            cache.set_token_states(self.layer, conv_states.transpose(1, 2), ssm_states)
+        else:
+            scan = ssd_recurrent if seq == 1 else ssd_chunked
+            y, ssm_state = scan(x, dt, a, b, c, ssm_state.float())
         cache.set_state(self.layer, conv_state, ssm_state)
         y = y + self.D.float()[:, None, None] * x  # the skip: [B, H, S, P]
         y = y.transpose(1, 2).reshape(batch, seq, self.intermediate)  # still fp32: HF normalizes before the cast

@@ -73,13 +73,39 @@ def test_hybrid_engine_keeps_state_slots_and_turns_prefix_caching_off(family_mod
     assert engine.kv.num_free_slots == 3
 
 
-def test_hybrid_engine_rejects_speculative_decoding_for_now(family_models):
+def test_hybrid_engine_speculates_with_a_per_token_state_rollback(family_models):
+    """Speculation on a hybrid model: the verify pass keeps its recurrent states per token (exactness
+    over many steps and partial acceptances is in tests/speculative/test_mtp.py)."""
     from firstlight.engine.speculative.config import SpecConfig
-    from firstlight.errors import FirstlightError
 
     model, tok = family_models("qwen3_next")
-    with pytest.raises(FirstlightError, match="speculative decoding is not supported for qwen3_next"):
-        LLMEngine(model, tok, EngineConfig(num_blocks=64, speculative=SpecConfig(method="ngram")))
+    engine = LLMEngine(model, tok, EngineConfig(block_size=4, num_blocks=64, speculative=SpecConfig("mtp", 2)))
+    p = prompts(1, seed=3)[0]
+    engine.add_request(p, GREEDY)
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.finished]
+    assert outs[0].output_token_ids == list(generate_tokens(model, p, 10))
+    assert engine.spec.stats.num_drafts > 0
+
+
+def test_mamba_hybrid_speculates_with_a_per_token_state_rollback(family_models):
+    """Granite 4.0-H with proposals accepted to every length (an oracle that errs on purpose): its Mamba-2
+    layers keep the conv and SSM states after every token of a verify pass, the state after the last
+    accepted token is put back, and greedy equals `generate`."""
+    from firstlight.engine.speculative.config import SpecConfig
+    from tests.speculative.test_mtp import OracleProposer
+
+    model, tok = family_models("granitemoehybrid")
+    ps = prompts(4, seed=5)
+    want = [list(generate_tokens(model, p, 10)) for p in ps]
+    engine = LLMEngine(model, tok, EngineConfig(block_size=4, num_blocks=128, max_num_batched_tokens=16,
+                                                speculative=SpecConfig("ngram", 3)))
+    engine.spec.proposer = OracleProposer({tuple(p): t for p, t in zip(ps, want, strict=True)})
+    done = run_staggered(engine, ps, GREEDY)
+    assert [done[i].output_token_ids for i in range(len(ps))] == want
+    per_pos = engine.spec.stats.accepted_per_pos
+    assert per_pos[0] > per_pos[2] > 0  # accepted runs of every length, and rejections after them
 
 
 def test_mamba_hybrid_engine_keeps_conv_and_ssm_state_per_slot(family_models):

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from firstlight.errors import ModelLoadError
 from firstlight.models.config import FULL, LINEAR, ModelConfig
-from firstlight.models.gated_deltanet import chunked_delta_rule, l2norm, recurrent_step
+from firstlight.models.gated_deltanet import chunked_delta_rule, l2norm, recurrent_states, recurrent_step
 from firstlight.models.loader import load_model
 
 
@@ -35,6 +35,17 @@ def test_chunked_delta_rule_equals_the_recurrence(seq, chunk):
     out_r, state_r = recurrent_step(q, k, v, g, beta, state)
     assert torch.allclose(out_c, out_r, atol=1e-5)
     assert torch.allclose(state_c, state_r, atol=1e-5)
+
+
+def test_per_token_states_are_the_states_after_each_prefix():
+    """What a speculative verify pass keeps: state i == the state after running tokens 0 .. i alone."""
+    q, k, v, g, beta, state = _inputs(5)
+    out, states = recurrent_states(q, k, v, g, beta, state)
+    assert states.shape == (2, 5, 3, 8, 5) and torch.equal(out, recurrent_step(q, k, v, g, beta, state)[0])
+    for i in range(5):
+        _, after = recurrent_step(q[:, :, : i + 1], k[:, :, : i + 1], v[:, :, : i + 1], g[:, :, : i + 1],
+                                  beta[:, :, : i + 1], state)
+        assert torch.equal(states[:, i], after)
 
 
 def test_delta_rule_writes_what_the_state_does_not_predict():

@@ -16,7 +16,7 @@ PROMPTS = [[1, 40, 41, 42, 43, 40, 41], [1, 7, 8, 9, 10, 11, 12, 13, 7, 8], [1, 
 
 
 def test_registry_names():
-    assert proposer_names() == ["draft", "heads", "ngram"]
+    assert proposer_names() == ["draft", "heads", "mtp", "ngram"]
     with pytest.raises(FirstlightError, match="unknown"):
         SpecConfig("medusa2")
 

@@ -77,3 +77,56 @@ def test_variable_proposal_lengths_and_row_generators_reproduce():
     a, b = run(7), run(7)
     assert a == b
     assert 1 <= len(a[0]) <= 4 and 1 <= len(a[1]) <= 2 and len(a[2]) == 1
+
+
+def _proposer_under_test(method, tiny, tiny_checkpoint):
+    from firstlight.engine.speculative.config import SpecConfig
+    from firstlight.engine.speculative.heads import HeadsProposer
+    from firstlight.engine.speculative.medusa import MedusaHeads
+    from firstlight.engine.speculative.registry import make_proposer
+    from firstlight.models.loader import load_model
+
+    if method == "mtp":  # a tiny random Qwen3-Next with its one MTP layer
+        model, tok = load_model(tiny_checkpoint("qwen3_next", seed=2))
+        return model.eval(), make_proposer(SpecConfig("mtp"), model, tok)
+    model, tok = tiny
+    if method == "draft":
+        return model, make_proposer(SpecConfig("draft", draft_layers=2), model, tok)
+    heads = MedusaHeads(model.config.hidden_size, 2)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    return model, HeadsProposer(model, heads)
+
+
+@pytest.mark.parametrize("method", ["draft", "heads", "mtp"])
+def test_proposer_drafts_keep_the_target_distribution(tiny, tiny_checkpoint, method):
+    """The same losslessness, end to end with a real proposer: its sampled drafts and the q it reports
+    for them, through the rejection sampler, give first tokens distributed as the target's p (T = 0.5),
+    not as the proposer's q. A proposer whose q is not what it drew from fails this: the MTP proposer
+    reporting q at T = 1 while drawing at T = 0.5 shifts the output by 0.024 (L2), over the bound."""
+    from firstlight.engine.speculative.base import SpecRequest
+
+    model, proposer = _proposer_under_test(method, tiny, tiny_checkpoint)
+    context, n, k, temperature = [1, 40, 41, 42, 43, 40, 41], 10_000, 2, 0.5
+    with torch.inference_mode():
+        hidden = model.forward_hidden(torch.tensor([context]), torch.arange(len(context))[None])[0]  # [N, E]
+        p1 = torch.softmax(model.compute_logits(hidden[-1]).float() / temperature, -1)  # [V]
+    gen = torch.Generator().manual_seed(0)
+    requests = [SpecRequest(f"r{i}", context, k, temperature, gen, hidden=hidden[-2], hidden_states=hidden[:-1])
+                for i in range(n)]
+    proposals = proposer.propose(requests)
+    ids = torch.tensor([prop.token_ids for prop in proposals])  # [n, k]
+    q = torch.stack([prop.probs for prop in proposals])  # [n, k, V]
+    q1 = q[0, 0]
+    assert torch.allclose(q[:, 0], q1.expand(n, -1), atol=1e-5)  # one context: one q for the first draft
+    assert float((p1 - q1).norm()) > 0.1  # the proposer disagrees with the target: the test can tell
+    # the first emitted token depends on p at the first position only
+    out = rejection_sample(p1.expand(n, k + 1, -1), ids, [k] * n, q, shared_generator=gen)
+    emp = torch.bincount(torch.tensor([o[0] for o in out]), minlength=len(p1)).float() / n
+    # n |emp - p|^2 has mean 1 - sum p^2 and variance <= 2 sum p^2 (multinomial, Gaussian limit): 6 sd
+    sum_p2 = float((p1 * p1).sum())
+    bound = ((1 - sum_p2 + 6 * (2 * sum_p2) ** 0.5) / n) ** 0.5
+    assert float((emp - p1).norm()) < bound
+    assert float((emp - q1).norm()) > 3 * float((emp - p1).norm())

@@ -1,4 +1,4 @@
-"""Speculative decoding: proposers (ngram, draft, heads) and the lossless rejection sampler.
+"""Speculative decoding: proposers (ngram, draft, heads, mtp) and the lossless rejection sampler.
 
 A proposer guesses k next tokens per request cheaply; the target model scores all of them in one
 pass over the paged cache; `rejection_sample` keeps the longest prefix that the target agrees with

@@ -18,6 +18,10 @@ class SpecRequest:
     temperature: float = 0.0  # 0 = greedy: propose the proposer's argmax
     generator: torch.Generator | None = None  # the request's own generator when it is seeded
     hidden: torch.Tensor | None = None  # [E] target hidden state that predicted token_ids[-1] (heads only)
+    # needs_all_hidden (MTP): the target's final hidden states [n, E] at positions hidden_start ..
+    # len(token_ids) - 2 that this proposer has not been given before (n = 0: none new)
+    hidden_states: torch.Tensor | None = None
+    hidden_start: int = 0
 
 
 @dataclass
@@ -41,6 +45,7 @@ class Proposer:
 
     name: ClassVar[str] = ""
     needs_hidden: ClassVar[bool] = False  # True: the engine passes the target's last hidden state
+    needs_all_hidden: ClassVar[bool] = False  # True: ... the hidden states of every position, once each
 
     @classmethod
     def from_config(cls, cfg: Any, target: Any, tokenizer: Any) -> Proposer:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from firstlight.errors import FirstlightError
 
-METHODS = ("ngram", "draft", "heads")
+METHODS = ("ngram", "draft", "heads", "mtp")
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,9 @@ class SpecDecoder:
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_spec_tokens)
         self._q: dict[str, torch.Tensor | None] = {}  # the distributions pending proposals came from
         self._hidden: dict[str, torch.Tensor] = {}  # [E] the hidden state that sampled the last token
+        # needs_all_hidden: per request, (first position, [n, E]) the hidden states the proposer has not
+        # been given yet; after it took them, (next position, empty)
+        self._pending: dict[str, tuple[int, torch.Tensor]] = {}
         self._acceptance: dict[str, Acceptance] = {}  # adaptive_k: each request's own history
         self.pass_costs: list[float] = []  # adaptive_k: c(1 + k) relative to a 1-token pass
         if config.adaptive_k:
@@ -64,6 +67,10 @@ class SpecDecoder:
     @property
     def needs_hidden(self) -> bool:
         return self.proposer.needs_hidden
+
+    @property
+    def needs_all_hidden(self) -> bool:
+        return self.proposer.needs_all_hidden
 
     def num_spec_tokens(self, request: Request, max_model_len: int) -> int:
         """How many tokens to propose for a request now (0: decode it normally)."""
@@ -81,6 +88,25 @@ class SpecDecoder:
         n = request.sampling_params.num_speculative_tokens
         return self.config.num_spec_tokens if n is None else n
 
+    def _never_speculated(self, request: Request) -> bool:
+        p = request.sampling_params
+        return p.has_penalties or p.logprobs is not None or self._cap(request) == 0
+
+    def _add_hidden(self, request: Request, hidden: torch.Tensor) -> None:
+        """Queue a forward's hidden states [n, E] (the first at the request's num_computed_tokens, as
+        before `scheduler.update`) for the proposer. A recompute after preemption starts over."""
+        if self._never_speculated(request):
+            return
+        rid, start = request.request_id, request.num_computed_tokens
+        if rid in self._pending:
+            first, queued = self._pending[rid]
+            if start > first + len(queued):
+                raise RuntimeError(f"{rid}: hidden states from position {start} but the queue ends at "
+                                   f"{first + len(queued)}")
+            if start >= first:
+                hidden, start = torch.cat([queued[: start - first], hidden]), first
+        self._pending[rid] = (start, hidden)
+
     # ---- after the target pass ---------------------------------------------------------------
     @torch.inference_mode()
     def verify(self, exec_out: Any, requests: dict[str, Request]) -> dict[str, list[int]]:
@@ -88,6 +114,9 @@ class SpecDecoder:
         for rid in exec_out.sample_ids:  # plain rows: remember the hidden state that sampled
             if rid in exec_out.hidden:
                 self._hidden[rid] = exec_out.hidden[rid][-1]
+        for rid, hidden in exec_out.all_hidden.items():  # every non-speculative row, prefill chunks too
+            if rid not in exec_out.spec_logits:
+                self._add_hidden(requests[rid], hidden)
         rids = list(exec_out.spec_logits)
         self.last_step = {"num_drafts": len(rids), "num_draft_tokens": 0, "num_accepted_tokens": 0}
         if not rids:
@@ -132,6 +161,8 @@ class SpecDecoder:
                 self._acceptance.setdefault(rid, Acceptance()).update(k, num_accepted)
             if rid in exec_out.hidden:
                 self._hidden[rid] = exec_out.hidden[rid][num_accepted]
+            if rid in exec_out.all_hidden:  # the last known token's and the accepted proposals' states
+                self._add_hidden(requests[rid], exec_out.all_hidden[rid][: num_accepted + 1])
         return dict(zip(rids, emitted, strict=True))
 
     # ---- before the next step ------------------------------------------------------------------
@@ -142,14 +173,20 @@ class SpecDecoder:
         for req in running:
             if req.is_finished or req.num_computed_tokens != req.num_tokens - 1:
                 continue  # still prefilling
+            if req.spec_token_ids:
+                continue  # not scheduled this step (token budget): its proposals still stand
             k = self.num_spec_tokens(req, max_model_len)
             hidden = self._hidden.get(req.request_id)
-            if k == 0 or (self.needs_hidden and hidden is None):
+            pending = self._pending.get(req.request_id) if self.needs_all_hidden else None
+            if k == 0 or (self.needs_hidden and hidden is None) or (self.needs_all_hidden and pending is None):
                 if req.request_id in self._acceptance:
                     self._acceptance[req.request_id].idle()
                 continue
             temperature = req.sampling_params.temperature
-            asks.append(SpecRequest(req.request_id, req.all_token_ids, k, temperature, self.sampler.generator(req), hidden))
+            ask = SpecRequest(req.request_id, req.all_token_ids, k, temperature, self.sampler.generator(req), hidden)
+            if pending is not None:
+                ask.hidden_start, ask.hidden_states = pending
+            asks.append(ask)
             targets.append(req)
         if not asks:
             return
@@ -157,9 +194,13 @@ class SpecDecoder:
             tokens = prop.token_ids[: ask.num_spec_tokens]
             req.spec_token_ids = list(tokens)
             self._q[req.request_id] = None if prop.probs is None else prop.probs[: len(tokens)]
+            if ask.hidden_states is not None:  # the proposer has them now (an empty view would pin the pass's tensor)
+                h = ask.hidden_states
+                self._pending[req.request_id] = (ask.hidden_start + len(h), h.new_empty(0, h.shape[-1]))
 
     def free(self, request_id: str) -> None:
         self._q.pop(request_id, None)
         self._hidden.pop(request_id, None)
+        self._pending.pop(request_id, None)
         self._acceptance.pop(request_id, None)
         self.proposer.free(request_id)

@@ -107,6 +107,12 @@ class DraftProposer(Proposer):
         self.draft = draft
         self.batched = batched
         cfg = draft.config
+        if cfg.state_layers:  # the draft's cache (draft_cache.py) holds K/V only, no recurrent state
+            raise FirstlightError(
+                f"--speculative draft: the draft ({cfg.model_type}) has linear-attention/recurrent layers, whose "
+                "state the draft cache does not keep; use --speculative mtp or ngram for this model, or a "
+                "--draft-model without recurrent layers"
+            )
         p = next(draft.parameters())
         self.device = p.device
         num_layers = getattr(draft, "num_layers", cfg.num_layers)  # a TruncatedModel runs only its first layers

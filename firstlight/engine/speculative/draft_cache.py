@@ -19,8 +19,13 @@ import torch
 class DraftKVPool:
     """Per-request draft KV (and the tokens it holds) in shared slot tensors that grow on demand."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+        first_layer: int = 0,
+    ) -> None:
+        """first_layer: the model's index of the pool's layer 0 (an MTP layer caches as layer num_layers + i)."""
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.first_layer = first_layer
         self.dtype, self.device = dtype, device
         self.k = [self._zeros(0, 0) for _ in range(num_layers)]  # [num_slots, Hkv, max_len, D]
         self.v = [self._zeros(0, 0) for _ in range(num_layers)]
@@ -111,6 +116,7 @@ class SlotPass:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = []
+        layer -= self.pool.first_layer
         for pool_t, new in ((self.pool.k[layer], k), (self.pool.v[layer], v)):
             # new: [B, Hkv, S, D] -> rows[b], :, positions[b, s]; advanced indices first: [B, S, Hkv, D]
             pool_t[self._rows[:, None], :, self.positions] = new.transpose(1, 2)

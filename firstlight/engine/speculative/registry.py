@@ -10,7 +10,7 @@ from firstlight.engine.speculative.config import SpecConfig
 from firstlight.errors import FirstlightError
 
 PROPOSERS: dict[str, type[Proposer]] = {}
-_MODULES = ("ngram", "draft", "heads")
+_MODULES = ("ngram", "draft", "heads", "mtp")
 
 
 def register(cls: type[Proposer]) -> type[Proposer]:

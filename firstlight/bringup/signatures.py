@@ -232,8 +232,9 @@ def _unit_failure(result: dict[str, Any], ctx: Context) -> Signature | None:
         worst = max((r for r in result.get("ops") or [] if math.isfinite(r["isolated"].get("rel_l2", 0.0))),
                     key=lambda r: r["isolated"].get("rel_l2", 0.0), default=None)
         prop = worst or first.get("first_propagated_op") or {}
-        return UnitComposition(unit=first.get("unit", ""), module=prop.get("module", ""), op=prop.get("op", ""))
-    op, module = c["op"], c["module"]
+        # verify may give None for what it could not name (a unit of a serving path, an op outside modules)
+        return UnitComposition(unit=first.get("unit") or "", module=prop.get("module") or "", op=prop.get("op") or "")
+    op, module = c["op"] or "", c["module"] or ""
     if op == "weight":  # verify found our weights differ from the reference's: a loader bug, no numerics knob
         return WeightMismatch(param=str(c.get("param", "")), module=module)
     cls = op_class(op, module)

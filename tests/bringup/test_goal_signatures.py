@@ -121,3 +121,11 @@ def test_a_weight_culprit_is_a_weight_mismatch_with_no_remedy():
     sig = classify(res)
     assert sig == WeightMismatch(param="layers.1.mlp.experts.down_proj", module="layers.1.mlp.experts.3")
     assert R.candidates(sig, None) == []  # no numerics override fixes a wrongly loaded weight
+
+
+def test_fields_verify_leaves_unnamed_do_not_break_a_signature():
+    """A failing unit or a worst op whose names verify gives as None (an op outside every module)."""
+    res = _result(first_failing={"unit": None},
+                  ops=[{"op": "aten.mm.default", "module": None, "isolated": {"rel_l2": 0.1}}])
+    sig = classify(res)
+    assert sig.kind == "unit_composition" and sig.key() == "unit_composition:" and sig.to_dict()["unit"] == ""

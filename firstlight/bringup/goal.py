@@ -10,6 +10,7 @@ perplexity below the reference's is a mismatch too), `top1` (teacher-forced top-
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -63,16 +64,25 @@ def _holds(c: Condition, v: float) -> bool:
     return {"<=": v <= c.bound, "<": v < c.bound, ">=": v >= c.bound, ">": v > c.bound, "==": v == c.bound}[c.op]
 
 
+def _finite(x: Any, worst: float) -> float:
+    """verify reports a metric it could not compute (non-finite logits) as None or NaN: count it as the worst."""
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return worst
+    return v if math.isfinite(v) else worst
+
+
 def metric_values(result: dict[str, Any]) -> dict[str, float]:
     p = result.get("parity") or {}
     q = result.get("perplexity") or {}
     out: dict[str, float] = {}
     if "top1_agreement" in p:
-        out["top1"] = float(p["top1_agreement"])
-        out["kl"] = max(float(p["mean_kl"]), 0.0)
-        out["topk"] = float(p["topk_overlap"])
-    if q.get("ratio") is not None:
-        out["ppl"] = float(q["ratio"])
+        out["top1"] = _finite(p["top1_agreement"], 0.0)
+        out["kl"] = max(_finite(p.get("mean_kl"), math.inf), 0.0)
+        out["topk"] = _finite(p.get("topk_overlap"), 0.0)
+    if "ratio" in q:
+        out["ppl"] = _finite(q["ratio"], math.inf)
     out["units"] = float(sum(1 for b in result.get("boundaries", []) if not b.get("isolated", {}).get("ok", True)))
     return out
 

@@ -99,12 +99,17 @@ def judge(before: Evaluation, after: Evaluation) -> str:
     # perplexity to about 1%, top-1 to a couple of its ~40 positions, and a boundary or two can cross
     # its tolerance on rounding alone.
     kl_a, kl_b, dev_a, dev_b = a.get("kl", 0.0), b.get("kl", 0.0), _ppl_dev(a), _ppl_dev(b)
-    if kl_a > 1.25 * kl_b + 1e-3 or dev_a > 1.25 * dev_b + 0.01 or a.get("top1", 1) < b.get("top1", 1) - 0.05 \
-            or a["units"] > 1.1 * b["units"] + 2:
+    # KL averages the whole distribution over every position; the perplexity ratio of a short text reads
+    # only the true token's probability and can sit near 1 by cancelling errors (Gemma 3 on Wormhole:
+    # an exact GELU took KL 0.099 -> 0.077 and the ratio 1.003 -> 1.047). So a remedy that clearly lowers
+    # KL is not called worse on perplexity alone.
+    kl_better = kl_a < 0.8 * kl_b - 1e-4
+    if kl_a > 1.25 * kl_b + 1e-3 or (dev_a > 1.25 * dev_b + 0.01 and not kl_better) \
+            or a.get("top1", 1) < b.get("top1", 1) - 0.05 or a["units"] > 1.1 * b["units"] + 2:
         return "worse"
     if a["first_failing_index"] > b["first_failing_index"]:
         return "moved"
-    if kl_a < 0.8 * kl_b - 1e-4 or dev_a < 0.8 * dev_b - 0.002 or a["units"] < 0.9 * b["units"] - 1:
+    if kl_better or dev_a < 0.8 * dev_b - 0.002 or a["units"] < 0.9 * b["units"] - 1:
         return "improved"
     return "no_effect"
 

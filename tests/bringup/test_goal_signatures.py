@@ -129,3 +129,21 @@ def test_fields_verify_leaves_unnamed_do_not_break_a_signature():
                   ops=[{"op": "aten.mm.default", "module": None, "isolated": {"rel_l2": 0.1}}])
     sig = classify(res)
     assert sig.kind == "unit_composition" and sig.key() == "unit_composition:" and sig.to_dict()["unit"] == ""
+
+
+def _ev(kl, ppl, top1=0.9, units=3):
+    from firstlight.bringup.loop import Evaluation
+
+    bounds = [{"name": f"b{i}", "isolated": {"ok": i >= units}} for i in range(10)]
+    res = _result(parity={"top1_agreement": top1, "mean_kl": kl, "topk_overlap": 0.9}, perplexity={"ratio": ppl},
+                  boundaries=bounds)
+    return Evaluation(res, None, None, ["x"], None, None)
+
+
+def test_judge_weighs_kl_over_a_short_perplexity():
+    from firstlight.bringup.loop import judge
+
+    assert judge(_ev(0.099, 1.003), _ev(0.077, 1.047)) == "improved"  # KL clearly down: not worse on ppl alone
+    assert judge(_ev(0.099, 1.003), _ev(0.098, 1.047)) == "worse"  # KL flat, perplexity off: worse
+    assert judge(_ev(0.099, 1.003), _ev(None, None)) == "worse"  # non-finite logits: the worst, not a crash
+    assert judge(_ev(0.05, 1.02), _ev(0.051, 1.019)) == "no_effect"

@@ -91,3 +91,23 @@ def test_unit_composition_can_upcast_and_tables_are_recomputed(ctx, failing_chip
     assert _site_after(failing_chip, up[0], module="layers.2.self_attn.o_proj").matmul.b_format == "bfp4_b"
     tables = R.candidates(TableMismatch(table="rotary:cos", op="aten.cos.default"), ctx)
     assert tables and all(c.remedy == "recompute_table" for c in tables if c.primary)
+
+
+def test_per_tensor_fp8_gets_block_scales_first():
+    """Hopper's per-tensor fp8: a matmul error is answered first by per-128 block scales (not by giving
+    up fp8), and the performance phase may try coarser blocks."""
+    t = EmulatedTarget(chip="h100-sxm")
+    ctx = R.RemedyContext(numerics=t.numerics, site=t.site_numerics)
+    sig = OpClassError(op_class="matmul", op="aten.mm.default", module="layers.0.self_attn.o_proj", rel_l2=0.05)
+    cands = R.candidates(sig, ctx)
+    fs = next(c for c in cands if c.remedy == "finer_scaling")
+    site = EmulatedTarget(chip="h100-sxm", overrides=Overrides(rules=list(fs.rules))).site_numerics(
+        "layers.0.self_attn.o_proj", "aten.mm")
+    assert (site.matmul.a_scaling, site.matmul.b_scaling) == ("block:128", "block:128")
+    assert site.matmul.a_format == "fp8_e4m3"  # still fp8
+    assert R.load_builtin()["finer_scaling"].cheaper(fs, ctx)[0].rules[0].matmul.a_scaling == "block:512"
+    from firstlight.bringup.planner import PlaybookPlanner, RunInfo
+    from firstlight.bringup.playbook import Playbook
+
+    ranked = PlaybookPlanner(Playbook("/nonexistent/pb.json")).rank(sig, cands, RunInfo("h100", "nvidia", "llama", "m"))
+    assert ranked[0].remedy == "finer_scaling"

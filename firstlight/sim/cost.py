@@ -157,7 +157,7 @@ class CostModel:
         ops = [self._linear(lin, m, tp, L, "attention") for lin in g.attn_linears]
         if g.moe is None:
             ops += [self._linear(lin, m, tp, L) for lin in g.mlp_linears]
-            inter = g.mlp_linears[-1].in_features
+            inter = g.mlp_linears[-1].in_features if g.mlp_linears else 0  # Nemotron-H: mixer-only layers
         else:
             ops += [self._linear(lin, m, 1, L) for lin in g.mlp_linears]  # router, replicated
             ops += [self._linear(lin, m, tp, L) for lin in g.moe.shared_linears]
@@ -241,6 +241,8 @@ class CostModel:
                 ops += self._ssd_ops(g, num_decode, prefill_chunks)
                 continue
             a = g.attention
+            if not g.attn_linears:  # an MLP-only layer (Nemotron-H): no token mixer
+                continue
             L = g.num_layers
             kv_tok = a.kv_elems_per_token / self.kv_shard * self.kvb
             fpp = a.flops_per_pair / heads_shard

@@ -154,7 +154,11 @@ class LayerGroup:
 
     @property
     def mixer(self) -> str:
-        return "mamba2" if self.mamba else "linear_attention" if self.linear else "attention"
+        if self.mamba:
+            return "mamba2"
+        if self.linear:
+            return "linear_attention"
+        return "attention" if self.attn_linears else "none"  # Nemotron-H's MLP-only layers
 
 
 @dataclass(frozen=True)
@@ -442,13 +446,15 @@ def _mamba_layer_ids(cfg: dict[str, Any], num_layers: int, where: str) -> set[in
 def _mamba2(cfg: dict[str, Any], where: str) -> tuple[AttentionDesc, tuple[Linear, ...], Mamba2Desc, int]:
     """A Mamba-2 mixer: (its no-KV attention stand-in, linears, description, extra small params)."""
     hidden = int(_req(cfg, "hidden_size", where))
-    heads = int(cfg.get("mamba_n_heads") or 128)
-    expand = int(cfg.get("mamba_expand") or 2)
-    head_dim = cfg.get("mamba_d_head", "auto")
-    head_dim = expand * hidden // heads if head_dim in (None, "auto") else int(head_dim)
-    mb = Mamba2Desc(num_heads=heads, head_dim=head_dim, num_groups=int(cfg.get("mamba_n_groups") or 1),
-                    state_size=int(cfg.get("mamba_d_state") or 256), conv_kernel=int(cfg.get("mamba_d_conv") or 4),
-                    chunk_size=int(cfg.get("mamba_chunk_size") or 256))
+    # Granite's names first, then Nemotron-H's
+    heads = int(_first(cfg, "mamba_n_heads", "mamba_num_heads", default=128))
+    expand = int(_first(cfg, "mamba_expand", "expand", default=2))
+    head_dim = _first(cfg, "mamba_d_head", "mamba_head_dim", default="auto")
+    head_dim = expand * hidden // heads if head_dim == "auto" else int(head_dim)
+    mb = Mamba2Desc(num_heads=heads, head_dim=head_dim, num_groups=int(_first(cfg, "mamba_n_groups", "n_groups", default=1)),
+                    state_size=int(_first(cfg, "mamba_d_state", "ssm_state_size", default=256)),
+                    conv_kernel=int(_first(cfg, "mamba_d_conv", "conv_kernel", default=4)),
+                    chunk_size=int(_first(cfg, "mamba_chunk_size", "chunk_size", default=256)))
     if mb.num_heads % mb.num_groups:
         raise ModelConfigError(f"model config {where}: mamba_n_heads={mb.num_heads} is not a multiple of "
                                f"mamba_n_groups={mb.num_groups}")
@@ -460,11 +466,64 @@ def _mamba2(cfg: dict[str, Any], where: str) -> tuple[AttentionDesc, tuple[Linea
         Linear("mamba_out_proj", i, hidden),
     )
     # dt_bias, A_log, D per head; the gated RMSNorm over I; the conv bias; projection biases if any
-    extra = 3 * mb.num_heads + i + (conv if cfg.get("mamba_conv_bias", True) else 0)
+    extra = 3 * mb.num_heads + i + (conv if _first(cfg, "mamba_conv_bias", "use_conv_bias", default=True) else 0)
     if cfg.get("mamba_proj_bias"):
         extra += in_out + hidden
     att = AttentionDesc(mb.num_heads, mb.num_heads, 0, 0, 0, None)  # no KV, no (query, key) pairs
     return att, lins, mb, extra
+
+
+# Nemotron-H: one block per layer, named by a character of hybrid_override_pattern (or a word of
+# layers_block_type): a Mamba-2 mixer, attention, a dense MLP or an MoE, each behind one RMSNorm
+_NEMOTRON_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe", "mamba": "mamba",
+                   "attention": "attention", "mlp": "mlp", "moe": "moe"}
+
+
+def _nemotron_h_groups(cfg: dict[str, Any], num_layers: int, where: str) -> list[LayerGroup]:
+    """Nemotron-H layer groups: mixer-only layers (M, *) keep no MLP, MLP-only layers (-, E) no mixer.
+    MLPs and experts are ungated (relu2): up and down projections only."""
+    hidden = int(_req(cfg, "hidden_size", where))
+    key = "hybrid_override_pattern" if cfg.get("hybrid_override_pattern") else "layers_block_type"
+    pattern = cfg.get(key)
+    if not pattern:
+        raise ModelConfigError(f"model config {where}: nemotron_h needs hybrid_override_pattern (M, *, -, E per layer)")
+    kinds = list(pattern)
+    unknown = sorted({str(k) for k in kinds if k not in _NEMOTRON_KINDS})
+    if unknown:
+        raise ModelConfigError(f"model config {where}: {key} has unknown type(s) {unknown}; known: M * - E")
+    if len(kinds) != num_layers:
+        raise ModelConfigError(f"model config {where}: {key} has {len(kinds)} entries, expected {num_layers}")
+    counts: dict[str, int] = {}
+    for k in kinds:
+        counts[_NEMOTRON_KINDS[k]] = counts.get(_NEMOTRON_KINDS[k], 0) + 1
+    heads = int(_req(cfg, "num_attention_heads", where))
+    kv = int(_first(cfg, "num_key_value_heads", default=heads))
+    no_mixer = AttentionDesc(heads, kv, 0, 0, 0, None)  # an MLP-only layer: no KV, no pairs
+    out: list[LayerGroup] = []
+    for kind, n in counts.items():
+        if kind == "mamba":
+            att, lins, mb, extra = _mamba2(cfg, where)
+            out.append(LayerGroup(n, att, lins, (), None, hidden + extra, mamba=mb))
+        elif kind == "attention":
+            att, lins, extra = _attention(cfg, where, None)
+            out.append(LayerGroup(n, att, lins, (), None, hidden + extra))
+        elif kind == "mlp":
+            inter = int(_req(cfg, "intermediate_size", where))
+            mlp = (Linear("up_proj", hidden, inter), Linear("down_proj", inter, hidden))
+            out.append(LayerGroup(n, no_mixer, (), mlp, None, hidden))
+        else:
+            num_experts = int(_req(cfg, "n_routed_experts", where))
+            top_k = int(_req(cfg, "num_experts_per_tok", where))
+            inter = int(_req(cfg, "moe_intermediate_size", where))
+            if top_k > num_experts:
+                raise ModelConfigError(f"model config {where}: num_experts_per_tok={top_k} > experts={num_experts}")
+            expert = (Linear("expert_up", hidden, inter), Linear("expert_down", inter, hidden))
+            s = int(cfg.get("n_shared_experts") or 0) * int(cfg.get("moe_shared_expert_intermediate_size") or inter)
+            shared = (Linear("shared_up", hidden, s), Linear("shared_down", s, hidden)) if s else ()
+            moe = MoEDesc(num_experts, top_k, expert, shared)
+            # the router and its per-expert score-correction bias
+            out.append(LayerGroup(n, no_mixer, (), (Linear("router", hidden, num_experts),), moe, hidden + num_experts))
+    return out
 
 
 def _linear_attention(cfg: dict[str, Any], where: str) -> tuple[AttentionDesc, tuple[Linear, ...], LinearAttnDesc]:
@@ -515,6 +574,9 @@ def model_from_config(cfg: dict[str, Any], name: str = "", where: str = "<config
     for key in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"):
         if int(cfg.get(key) or 0) <= 0:
             raise ModelConfigError(f"model config {where}: {key} must be a positive integer, got {cfg.get(key)!r}")
+    if cfg.get("model_type") == "nemotron_h":
+        return _describe(cfg, _nemotron_h_groups(cfg, num_layers, where), hidden, vocab, name, where, weight_dtype,
+                         kv_dtype, precision)
     moe_ids = _moe_layer_ids(cfg, num_layers)
     windows = _windows(cfg, num_layers)
     if len(windows) != num_layers:
@@ -564,7 +626,11 @@ def model_from_config(cfg: dict[str, Any], name: str = "", where: str = "<config
             inter = int(_first(cfg, "shared_intermediate_size", "intermediate_size") if granite else _req(cfg, "intermediate_size", where))
             mlp = (Linear("gate_up_proj", hidden, 2 * inter), Linear("down_proj", inter, hidden))
         built.append(LayerGroup(count, att, attn_lins, mlp, moe, norms, linear, mamba))
+    return _describe(cfg, built, hidden, vocab, name, where, weight_dtype, kv_dtype, precision)
 
+
+def _describe(cfg: dict[str, Any], built: list[LayerGroup], hidden: int, vocab: int, name: str, where: str,
+              weight_dtype: str | None, kv_dtype: str | None, precision: PrecisionProfile | None) -> ModelDesc:
     wdt = weight_dtype or _dtype_name(_first(cfg, "torch_dtype", "dtype"))
     if precision is not None:  # weight/kv dtypes given with a profile override its storage groups
         precision = precision.with_dtypes(weight_dtype, kv_dtype)

@@ -175,3 +175,48 @@ def test_cli_serve_mtp_and_fit_state(tmp_path):
     tiny = load_model("granite-4.0-h-tiny")
     assert fit["state_bytes_per_seq"] == tiny.state_bytes_per_seq()
     assert fit["kv_bytes_per_token"] == tiny.kv_bytes_per_token()
+
+
+NEMOTRON_H = {  # one block per layer: M Mamba-2, * attention, - MLP (relu2, ungated), E MoE
+    "model_type": "nemotron_h", "hidden_size": H, "num_hidden_layers": 6, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "vocab_size": V,
+    "hybrid_override_pattern": "M-M*EM", "mamba_num_heads": MH, "mamba_head_dim": MP, "n_groups": MG,
+    "ssm_state_size": MN, "conv_kernel": MK, "expand": 2, "chunk_size": 8, "use_conv_bias": True,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+    "moe_shared_expert_intermediate_size": 40, "tie_word_embeddings": False,
+}
+
+
+def test_nemotron_h_pattern_by_hand():
+    m = model_from_config(NEMOTRON_H)
+    mamba = H * (INNER + CONV + MH) + MK * CONV + CONV + INNER * H + 3 * MH + INNER
+    attn = H * (4 + 2 * 2) * 16 + 4 * 16 * H
+    mlp = 2 * H * 96  # up, down
+    moe_total = H * 4 + 4 + 4 * 2 * H * 32 + 2 * H * 40  # router + its bias, 4 experts, shared
+    moe_active = H * 4 + 4 + 2 * 2 * H * 32 + 2 * H * 40
+    body = 3 * mamba + mlp + attn + 6 * H  # one norm per layer
+    emb = 2 * V * H + H
+    assert m.num_params() == body + moe_total + emb
+    assert m.num_active_params() == body + moe_active + emb
+    assert sorted((g.mixer, g.num_layers) for g in m.groups) == [("attention", 1), ("mamba2", 3), ("none", 1), ("none", 1)]
+    assert m.kv_bytes_per_token() == 2 * 2 * 16 * 2  # the one * layer
+    assert m.state_bytes_per_seq() == 3 * (MH * MP * MN * 4 + CONV * (MK - 1) * 2)
+    cm = CostModel(m, load_spec("h100"), ParallelConfig())
+    names = [o.name for o in cm.attention_ops(4, 400.0, [(16, 0)])]
+    assert names == ["mamba2_scan", "attention"]  # MLP-only layers add no mixer op
+    assert cm.step_time(20, 5, 4, 400.0, [(16, 0)]) > 0
+    with pytest.raises(ModelConfigError, match=r"unknown type\(s\) \['X'\]"):
+        model_from_config({**NEMOTRON_H, "hybrid_override_pattern": "M-M*XM"})
+    with pytest.raises(ModelConfigError, match="5 entries, expected 6"):
+        model_from_config({**NEMOTRON_H, "hybrid_override_pattern": "M-M*E"})
+
+
+def test_nemotron_h_8b_shape_is_8b():
+    pat = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"  # Nemotron-H-8B: 4 attention layers of 52
+    m = model_from_config({
+        "model_type": "nemotron_h", "hidden_size": 4096, "num_hidden_layers": 52, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 21504, "vocab_size": 131072,
+        "hybrid_override_pattern": pat, "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8,
+        "ssm_state_size": 128, "conv_kernel": 4, "expand": 2, "chunk_size": 128})
+    assert m.num_params() / 1e9 == pytest.approx(8.1, abs=0.1)  # NVIDIA: "8B"
+    assert m.kv_bytes_per_token() == 4 * 2 * 8 * 128 * 2

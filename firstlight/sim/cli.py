@@ -175,14 +175,10 @@ def fit(hw: str = HW, model_name: str = MODEL, tp: int = TP, pp: int = PP, ep: i
     m = _load(model_name, precision, weight_dtype, kv_dtype, announce=False)
     plan = plan_memory(m, load_spec(hw), ParallelConfig(tp=tp, pp=pp, ep=ep),
                        max_num_batched_tokens, max_num_seqs, memory_utilization)
-    # linear-attention/SSM layers: a fixed state per sequence beside the per-token KV (layers split by pp)
-    state = m.state_bytes_per_seq() / tp / pp
-    out = plan.to_dict()
-    if state:
-        free = plan.capacity_bytes - plan.weight_bytes - plan.activation_bytes - state * max_num_seqs
-        out["kv_capacity_tokens"] = int(free // plan.kv_bytes_per_token) if plan.kv_bytes_per_token else 10**12
-    _print_json({**out, "precision": m.profile.name, "state_bytes_per_seq": state,
-                 "state_gb_at_max_num_seqs": state * max_num_seqs / 1024**3})
+    # linear-attention/SSM layers: a fixed state per sequence beside the per-token KV (the plan holds the
+    # state of max_num_seqs sequences back before sizing the KV)
+    _print_json({**plan.to_dict(), "precision": m.profile.name, "state_bytes_per_seq": plan.state_bytes_per_seq,
+                 "state_gb_at_max_num_seqs": plan.state_bytes / 1024**3})
 
 
 @app.command()
@@ -357,6 +353,10 @@ def serve(hw: str = HW, model_name: str = MODEL, tp: int = TP, pp: int = PP, ep:
           nic_gbps: float | None = NIC, oversubscription: float = OVERSUB,
           precision: str | None = PRECISION, stack: str | None = STACK,
           weight_dtype: str | None = WDT, kv_dtype: str | None = KVDT,
+          mtp_acceptance: float | None = typer.Option(None, help="MTP speculative decoding: the probability each "
+                                                      "drafted token is accepted (i.i.d.); decode steps verify "
+                                                      "--mtp-tokens + 1 tokens and yield (1-a^(k+1))/(1-a)"),
+          mtp_tokens: int = typer.Option(1, help="with --mtp-acceptance: tokens the MTP layer drafts per step (k)"),
           out: Path | None = typer.Option(None, help="write a report directory (result.json, PNG plots)")) -> None:
     """Simulate serving a workload: latency distributions, throughput, goodput, utilization, $/1M tokens.
 
@@ -377,7 +377,8 @@ def serve(hw: str = HW, model_name: str = MODEL, tp: int = TP, pp: int = PP, ep:
     common = dict(tp=tp, pp=pp, ep=ep, num_replicas=replicas, num_prefill_replicas=prefill_replicas,
                   num_decode_replicas=decode_replicas, router=router, slo_ttft_s=ttft, slo_tpot_s=tpot,
                   num_microbatches=microbatches, pipeline_schedule=pipeline_schedule, kv_link=kv_link,
-                  cluster=_cluster(nodes, devices_per_node, network, nic_gbps, oversubscription, False))
+                  cluster=_cluster(nodes, devices_per_node, network, nic_gbps, oversubscription, False),
+                  mtp_acceptance=mtp_acceptance, mtp_tokens=mtp_tokens)
     if trace is not None and is_engine_trace(trace):
         _serve_engine_trace(trace, model, spec, {**common, **_stack_knobs(stack),
                                                  **{k: v for k, v in knobs.items() if v is not None}},
@@ -392,7 +393,7 @@ def serve(hw: str = HW, model_name: str = MODEL, tp: int = TP, pp: int = PP, ep:
     if out:
         write_serve_report(out, result, res, wl)
         typer.echo(f"report: {out}/index.html")
-    keys = ("precision", "stack", "num_devices", "num_finished", "makespan_s", "ttft_s", "tpot_s", "itl_s", "e2e_s",
+    keys = ("precision", "stack", "speculative", "num_devices", "num_finished", "makespan_s", "ttft_s", "tpot_s", "itl_s", "e2e_s",
             "throughput", "goodput", "utilization", "pipeline", "num_preemptions", "cost", "sim")
     _print_json({k: result[k] for k in keys})
 

@@ -157,7 +157,7 @@ class CostModel:
         ops = [self._linear(lin, m, tp, L, "attention") for lin in g.attn_linears]
         if g.moe is None:
             ops += [self._linear(lin, m, tp, L) for lin in g.mlp_linears]
-            inter = g.mlp_linears[-1].in_features
+            inter = g.mlp_linears[-1].in_features if g.mlp_linears else 0  # Nemotron-H: mixer-only layers
         else:
             ops += [self._linear(lin, m, 1, L) for lin in g.mlp_linears]  # router, replicated
             ops += [self._linear(lin, m, tp, L) for lin in g.moe.shared_linears]
@@ -237,7 +237,12 @@ class CostModel:
             if g.linear is not None:
                 ops += self._scan_ops(g, num_decode, prefill_chunks)
                 continue
+            if g.mamba is not None:
+                ops += self._ssd_ops(g, num_decode, prefill_chunks)
+                continue
             a = g.attention
+            if not g.attn_linears:  # an MLP-only layer (Nemotron-H): no token mixer
+                continue
             L = g.num_layers
             kv_tok = a.kv_elems_per_token / self.kv_shard * self.kvb
             fpp = a.flops_per_pair / heads_shard
@@ -306,6 +311,25 @@ class CostModel:
         op = self.roofline("linear_attention_scan", flops, nbytes, kernels=1 + bool(prefill_chunks))
         L = g.num_layers
         return [OpCost("linear_attention_scan", flops * L, nbytes * L, op.time_s * L, op.bound)]
+
+    def _ssd_ops(self, g: LayerGroup, num_decode: int, prefill_chunks: list[tuple[int, int]]) -> list[OpCost]:
+        """A Mamba-2 group (heads sharded by tp): decode tokens run the recurrence (5 H P N FLOPs each),
+        prefill chunks the chunked SSD scan (`Mamba2Desc.prefill_flops`); each sequence's SSM state
+        (fp32) and conv state (activation dtype) are read and written once per step, and the scan reads
+        x|B|C and dt and writes y per token (fp32 inside the kernel, activation dtype outside). No KV."""
+        mb = g.mamba
+        assert mb is not None
+        num_tokens = num_decode + sum(n for n, _ in prefill_chunks)
+        num_seqs = num_decode + len(prefill_chunks)
+        if not num_tokens:
+            return []
+        tp = self.par.tp
+        flops = (mb.decode_flops_per_token * num_decode + sum(mb.prefill_flops(n) for n, _ in prefill_chunks)) / tp
+        state = 4 * mb.ssm_state_elems + self.ab * mb.conv_state_elems
+        nbytes = (2 * state * num_seqs + num_tokens * (mb.conv_dim + mb.num_heads + mb.intermediate_size) * self.ab) / tp
+        op = self.roofline("mamba2_scan", flops, nbytes, kernels=1 + bool(prefill_chunks))
+        L = g.num_layers
+        return [OpCost("mamba2_scan", flops * L, nbytes * L, op.time_s * L, op.bound)]
 
     # ---- whole step ---------------------------------------------------------------------------
     def step_time(self, num_tokens: int, num_seqs: int, num_decode: int = 0, decode_ctx_sum: float = 0.0,

@@ -92,6 +92,54 @@ class LinearAttnDesc:
 
 
 @dataclass(frozen=True)
+class Mamba2Desc:
+    """A Mamba-2 token mixer (Dao & Gu 2024, arXiv:2405.21060; Granite 4.0-H): per sequence a conv state
+    [conv_dim, K-1] and an SSM state [H, P, N], no KV cache. in_proj yields z (I), x|B|C (conv_dim) and
+    dt (H), with I = H*P and conv_dim = I + 2*G*N (B and C shared by the H/G heads of a group)."""
+
+    num_heads: int  # H
+    head_dim: int  # P
+    num_groups: int  # G
+    state_size: int  # N
+    conv_kernel: int  # K
+    chunk_size: int = 256  # Q: the SSD chunk of the prefill scan
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.num_groups * self.state_size
+
+    @property
+    def conv_state_elems(self) -> int:
+        return self.conv_dim * (self.conv_kernel - 1)
+
+    @property
+    def ssm_state_elems(self) -> int:
+        return self.num_heads * self.head_dim * self.state_size
+
+    @property
+    def decode_flops_per_token(self) -> int:
+        """The recurrence per token and head on S [P, N]: decay (1), the write dt x B^T (2) and the read
+        S C (2) = 5 P N (paper sec. 3, the linear/recurrent mode)."""
+        return 5 * self.ssm_state_elems
+
+    def prefill_flops(self, num_tokens: int) -> float:
+        """The chunked SSD scan (paper sec. 6) over one prefill chunk of `num_tokens` tokens, in chunks of
+        q = min(num_tokens, Q): per chunk C B^T per group (2 q^2 N G), the masked scores times x per head
+        (2 q^2 P H), the chunk's final state (2 q P N H) and the read of the entering state (2 q P N H),
+        plus one state hand-off per chunk (P N H). Per token: 2 q (G N + H P) + 4 H P N."""
+        if num_tokens <= 0:
+            return 0.0
+        q = min(num_tokens, self.chunk_size)
+        g, n, h, p = self.num_groups, self.state_size, self.num_heads, self.head_dim
+        chunks = -(-num_tokens // q)
+        return num_tokens * (2.0 * q * (g * n + h * p) + 4.0 * h * p * n) + chunks * h * p * n
+
+
+@dataclass(frozen=True)
 class LayerGroup:
     """`num_layers` identical decoder layers."""
 
@@ -102,6 +150,15 @@ class LayerGroup:
     moe: MoEDesc | None = None
     num_norm_params: int = 0
     linear: LinearAttnDesc | None = None  # a linear-attention group (attention then keeps no KV)
+    mamba: Mamba2Desc | None = None  # a Mamba-2 group (no KV either)
+
+    @property
+    def mixer(self) -> str:
+        if self.mamba:
+            return "mamba2"
+        if self.linear:
+            return "linear_attention"
+        return "attention" if self.attn_linears else "none"  # Nemotron-H's MLP-only layers
 
 
 @dataclass(frozen=True)
@@ -129,12 +186,17 @@ class ModelDesc:
         return sum(g.num_layers for g in self.groups)
 
     @property
+    def attention_group(self) -> LayerGroup:
+        """The first group whose layers keep KV (the first group when no layer does)."""
+        return next((g for g in self.groups if g.attention.kv_elems_per_token), self.groups[0])
+
+    @property
     def num_heads(self) -> int:
-        return self.groups[0].attention.num_heads
+        return self.attention_group.attention.num_heads
 
     @property
     def num_kv_heads(self) -> int:
-        return self.groups[0].attention.num_kv_heads
+        return self.attention_group.attention.num_kv_heads
 
     @property
     def is_moe(self) -> bool:
@@ -207,9 +269,15 @@ class ModelDesc:
         return total * DTYPE_BYTES[self.profile.kv_cache]
 
     def state_bytes_per_seq(self) -> float:
-        """Recurrent-state bytes one sequence holds whatever its length (linear-attention/SSM layers;
-        kept in fp32 as the engine keeps the delta-rule state)."""
-        return float(sum(g.num_layers * g.linear.state_elems for g in self.groups if g.linear)) * 4
+        """Recurrent-state bytes one sequence holds whatever its length: linear-attention layers in fp32
+        (as the engine keeps the delta-rule state); Mamba-2 layers their SSM state [H, P, N] in fp32 and
+        their conv state [conv_dim, K-1] at the activation dtype (as the engine and vLLM keep them)."""
+        total = 4.0 * sum(g.num_layers * g.linear.state_elems for g in self.groups if g.linear)
+        ab = DTYPE_BYTES[self.profile.activations]
+        for g in self.groups:
+            if g.mamba:
+                total += g.num_layers * (4.0 * g.mamba.ssm_state_elems + ab * g.mamba.conv_state_elems)
+        return total
 
     def flops_per_token(self, context_len: int = 0) -> float:
         """Forward FLOPs of one token at a given context: 2 * active params (minus embedding gather) +
@@ -219,6 +287,9 @@ class ModelDesc:
         for g in self.groups:
             if g.linear is not None:
                 attn += g.num_layers * g.linear.scan_flops_per_token
+                continue
+            if g.mamba is not None:  # a decode token: the recurrent form
+                attn += g.num_layers * g.mamba.decode_flops_per_token
                 continue
             w = g.attention.sliding_window
             span = min(context_len, w) if w else context_len
@@ -245,7 +316,7 @@ class ModelDesc:
             "groups": [
                 {
                     "num_layers": g.num_layers,
-                    "mixer": "linear_attention" if g.linear else "attention",
+                    "mixer": g.mixer,
                     "sliding_window": g.attention.sliding_window,
                     "mla": g.attention.is_mla,
                     "moe": None if g.moe is None else {"num_experts": g.moe.num_experts, "top_k": g.moe.top_k},
@@ -349,6 +420,112 @@ def _linear_layer_ids(cfg: dict[str, Any], num_layers: int, where: str) -> set[i
     return set()
 
 
+# Granite 4.0-H names its layers mamba / attention; transformers 5 writes them back as linear_attention /
+# full_attention. Either spelling is read (as models/config.py reads them).
+_GRANITE_TYPES = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention",
+                  "full_attention": "attention"}
+
+
+def _mamba_layer_ids(cfg: dict[str, Any], num_layers: int, where: str) -> set[int]:
+    """Granite 4.0-H's Mamba-2 layers: from layer_types (or layers_block_type); every layer without either."""
+    if cfg.get("model_type") != "granitemoehybrid":
+        return set()
+    key = "layer_types" if cfg.get("layer_types") else "layers_block_type"
+    names = cfg.get(key)
+    if not names:  # transformers' default: every layer a Mamba layer
+        return set(range(num_layers))
+    unknown = sorted({str(t) for t in names if t not in _GRANITE_TYPES})
+    if unknown:
+        raise ModelConfigError(f"model config {where}: {key} has unknown type(s) {unknown} for granitemoehybrid; "
+                               f"known: {sorted(_GRANITE_TYPES)}")
+    if len(names) != num_layers:
+        raise ModelConfigError(f"model config {where}: {key} has {len(names)} entries, expected {num_layers}")
+    return {i for i, t in enumerate(names) if _GRANITE_TYPES[t] == "mamba"}
+
+
+def _mamba2(cfg: dict[str, Any], where: str) -> tuple[AttentionDesc, tuple[Linear, ...], Mamba2Desc, int]:
+    """A Mamba-2 mixer: (its no-KV attention stand-in, linears, description, extra small params)."""
+    hidden = int(_req(cfg, "hidden_size", where))
+    # Granite's names first, then Nemotron-H's
+    heads = int(_first(cfg, "mamba_n_heads", "mamba_num_heads", default=128))
+    expand = int(_first(cfg, "mamba_expand", "expand", default=2))
+    head_dim = _first(cfg, "mamba_d_head", "mamba_head_dim", default="auto")
+    head_dim = expand * hidden // heads if head_dim == "auto" else int(head_dim)
+    mb = Mamba2Desc(num_heads=heads, head_dim=head_dim, num_groups=int(_first(cfg, "mamba_n_groups", "n_groups", default=1)),
+                    state_size=int(_first(cfg, "mamba_d_state", "ssm_state_size", default=256)),
+                    conv_kernel=int(_first(cfg, "mamba_d_conv", "conv_kernel", default=4)),
+                    chunk_size=int(_first(cfg, "mamba_chunk_size", "chunk_size", default=256)))
+    if mb.num_heads % mb.num_groups:
+        raise ModelConfigError(f"model config {where}: mamba_n_heads={mb.num_heads} is not a multiple of "
+                               f"mamba_n_groups={mb.num_groups}")
+    i, conv = mb.intermediate_size, mb.conv_dim
+    in_out = i + conv + mb.num_heads  # z | x B C | dt
+    lins = (
+        Linear("mamba_in_proj", hidden, in_out),
+        Linear("mamba_conv1d", mb.conv_kernel, conv),  # depthwise: K weights per channel
+        Linear("mamba_out_proj", i, hidden),
+    )
+    # dt_bias, A_log, D per head; the gated RMSNorm over I; the conv bias; projection biases if any
+    extra = 3 * mb.num_heads + i + (conv if _first(cfg, "mamba_conv_bias", "use_conv_bias", default=True) else 0)
+    if cfg.get("mamba_proj_bias"):
+        extra += in_out + hidden
+    att = AttentionDesc(mb.num_heads, mb.num_heads, 0, 0, 0, None)  # no KV, no (query, key) pairs
+    return att, lins, mb, extra
+
+
+# Nemotron-H: one block per layer, named by a character of hybrid_override_pattern (or a word of
+# layers_block_type): a Mamba-2 mixer, attention, a dense MLP or an MoE, each behind one RMSNorm
+_NEMOTRON_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe", "mamba": "mamba",
+                   "attention": "attention", "mlp": "mlp", "moe": "moe"}
+
+
+def _nemotron_h_groups(cfg: dict[str, Any], num_layers: int, where: str) -> list[LayerGroup]:
+    """Nemotron-H layer groups: mixer-only layers (M, *) keep no MLP, MLP-only layers (-, E) no mixer.
+    MLPs and experts are ungated (relu2): up and down projections only."""
+    hidden = int(_req(cfg, "hidden_size", where))
+    key = "hybrid_override_pattern" if cfg.get("hybrid_override_pattern") else "layers_block_type"
+    pattern = cfg.get(key)
+    if not pattern:
+        raise ModelConfigError(f"model config {where}: nemotron_h needs hybrid_override_pattern (M, *, -, E per layer)")
+    kinds = list(pattern)
+    unknown = sorted({str(k) for k in kinds if k not in _NEMOTRON_KINDS})
+    if unknown:
+        raise ModelConfigError(f"model config {where}: {key} has unknown type(s) {unknown}; known: M * - E")
+    if len(kinds) != num_layers:
+        raise ModelConfigError(f"model config {where}: {key} has {len(kinds)} entries, expected {num_layers}")
+    counts: dict[str, int] = {}
+    for k in kinds:
+        counts[_NEMOTRON_KINDS[k]] = counts.get(_NEMOTRON_KINDS[k], 0) + 1
+    heads = int(_req(cfg, "num_attention_heads", where))
+    kv = int(_first(cfg, "num_key_value_heads", default=heads))
+    no_mixer = AttentionDesc(heads, kv, 0, 0, 0, None)  # an MLP-only layer: no KV, no pairs
+    out: list[LayerGroup] = []
+    for kind, n in counts.items():
+        if kind == "mamba":
+            att, lins, mb, extra = _mamba2(cfg, where)
+            out.append(LayerGroup(n, att, lins, (), None, hidden + extra, mamba=mb))
+        elif kind == "attention":
+            att, lins, extra = _attention(cfg, where, None)
+            out.append(LayerGroup(n, att, lins, (), None, hidden + extra))
+        elif kind == "mlp":
+            inter = int(_req(cfg, "intermediate_size", where))
+            mlp = (Linear("up_proj", hidden, inter), Linear("down_proj", inter, hidden))
+            out.append(LayerGroup(n, no_mixer, (), mlp, None, hidden))
+        else:
+            num_experts = int(_req(cfg, "n_routed_experts", where))
+            top_k = int(_req(cfg, "num_experts_per_tok", where))
+            inter = int(_req(cfg, "moe_intermediate_size", where))
+            if top_k > num_experts:
+                raise ModelConfigError(f"model config {where}: num_experts_per_tok={top_k} > experts={num_experts}")
+            expert = (Linear("expert_up", hidden, inter), Linear("expert_down", inter, hidden))
+            s = int(cfg.get("n_shared_experts") or 0) * int(cfg.get("moe_shared_expert_intermediate_size") or inter)
+            shared = (Linear("shared_up", hidden, s), Linear("shared_down", s, hidden)) if s else ()
+            moe = MoEDesc(num_experts, top_k, expert, shared)
+            # the router and its per-expert score-correction bias
+            out.append(LayerGroup(n, no_mixer, (), (Linear("router", hidden, num_experts),), moe, hidden + num_experts))
+    return out
+
+
 def _linear_attention(cfg: dict[str, Any], where: str) -> tuple[AttentionDesc, tuple[Linear, ...], LinearAttnDesc]:
     hidden = int(_req(cfg, "hidden_size", where))
     la = LinearAttnDesc(
@@ -397,23 +574,30 @@ def model_from_config(cfg: dict[str, Any], name: str = "", where: str = "<config
     for key in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"):
         if int(cfg.get(key) or 0) <= 0:
             raise ModelConfigError(f"model config {where}: {key} must be a positive integer, got {cfg.get(key)!r}")
+    if cfg.get("model_type") == "nemotron_h":
+        return _describe(cfg, _nemotron_h_groups(cfg, num_layers, where), hidden, vocab, name, where, weight_dtype,
+                         kv_dtype, precision)
     moe_ids = _moe_layer_ids(cfg, num_layers)
     windows = _windows(cfg, num_layers)
     if len(windows) != num_layers:
         raise ModelConfigError(f"model config {where}: layer_types has {len(windows)} entries, expected {num_layers}")
 
-    linear_ids = _linear_layer_ids(cfg, num_layers, where)
-    groups: dict[tuple[int | None, bool, bool], int] = {}
+    granite = cfg.get("model_type") == "granitemoehybrid"
+    mamba_ids = _mamba_layer_ids(cfg, num_layers, where)
+    linear_ids = set() if granite else _linear_layer_ids(cfg, num_layers, where)
+    groups: dict[tuple[int | None, bool, str], int] = {}
     for i in range(num_layers):
-        key = (windows[i], i in moe_ids, i in linear_ids)
+        key = (windows[i], i in moe_ids, "mamba2" if i in mamba_ids else "linear" if i in linear_ids else "attention")
         groups[key] = groups.get(key, 0) + 1
 
     built: list[LayerGroup] = []
-    for (window, is_moe, is_linear), count in groups.items():
-        linear = None
-        if is_linear:
+    for (window, is_moe, mixer), count in groups.items():
+        linear = mamba = None
+        if mixer == "linear":
             att, attn_lins, linear = _linear_attention(cfg, where)
             extra_norms = linear.v_head_dim
+        elif mixer == "mamba2":
+            att, attn_lins, mamba, extra_norms = _mamba2(cfg, where)
         else:
             att, attn_lins, extra_norms = _attention(cfg, where, window)
         norms = 2 * hidden + extra_norms
@@ -427,6 +611,9 @@ def model_from_config(cfg: dict[str, Any], name: str = "", where: str = "<config
             if cfg.get("n_shared_experts"):
                 s = int(cfg["n_shared_experts"]) * inter
                 shared = (Linear("shared_gate_up", hidden, 2 * s), Linear("shared_down", s, hidden))
+            elif granite and cfg.get("shared_intermediate_size"):  # Granite: an always-on, ungated shared MLP
+                s = int(cfg["shared_intermediate_size"])
+                shared = (Linear("shared_gate_up", hidden, 2 * s), Linear("shared_down", s, hidden))
             elif cfg.get("shared_expert_intermediate_size"):
                 s = int(cfg["shared_expert_intermediate_size"])
                 shared = (Linear("shared_gate_up", hidden, 2 * s), Linear("shared_down", s, hidden),
@@ -435,11 +622,15 @@ def model_from_config(cfg: dict[str, Any], name: str = "", where: str = "<config
                 raise ModelConfigError(f"model config {where}: num_experts_per_tok={top_k} > experts={num_experts}")
             moe = MoEDesc(num_experts, top_k, expert, shared)
             mlp: tuple[Linear, ...] = (Linear("router", hidden, num_experts),)
-        else:
-            inter = int(_req(cfg, "intermediate_size", where))
+        else:  # Granite without experts: the shared MLP is the dense MLP
+            inter = int(_first(cfg, "shared_intermediate_size", "intermediate_size") if granite else _req(cfg, "intermediate_size", where))
             mlp = (Linear("gate_up_proj", hidden, 2 * inter), Linear("down_proj", inter, hidden))
-        built.append(LayerGroup(count, att, attn_lins, mlp, moe, norms, linear))
+        built.append(LayerGroup(count, att, attn_lins, mlp, moe, norms, linear, mamba))
+    return _describe(cfg, built, hidden, vocab, name, where, weight_dtype, kv_dtype, precision)
 
+
+def _describe(cfg: dict[str, Any], built: list[LayerGroup], hidden: int, vocab: int, name: str, where: str,
+              weight_dtype: str | None, kv_dtype: str | None, precision: PrecisionProfile | None) -> ModelDesc:
     wdt = weight_dtype or _dtype_name(_first(cfg, "torch_dtype", "dtype"))
     if precision is not None:  # weight/kv dtypes given with a profile override its storage groups
         precision = precision.with_dtypes(weight_dtype, kv_dtype)

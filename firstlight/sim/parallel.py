@@ -76,7 +76,7 @@ def check_parallel(model: ModelDesc, par: ParallelConfig) -> None:
 
 def kv_shard(model: ModelDesc, par: ParallelConfig) -> int:
     """How many ways the KV cache of one layer is split across TP ranks (MLA latents are replicated)."""
-    att = model.groups[0].attention
+    att = model.attention_group.attention  # a KV-keeping group (hybrids: not the first linear/SSM group)
     return 1 if att.is_mla else min(par.tp, att.num_kv_heads)
 
 
@@ -117,15 +117,25 @@ class MemoryPlan:
     activation_bytes: float
     kv_bytes_per_token: float
     kv_capacity_tokens: int
+    state_bytes_per_seq: float = 0.0  # linear-attention / SSM layers: fixed per sequence, beside the KV
+    max_num_seqs: int = 0
+
+    @property
+    def state_bytes(self) -> float:
+        """The recurrent state of `max_num_seqs` sequences, held back before the KV gets the rest."""
+        return self.state_bytes_per_seq * self.max_num_seqs
 
     def to_dict(self) -> dict[str, float]:
-        return {
+        out = {
             "capacity_gb": self.capacity_bytes / GB,
             "weight_gb": self.weight_bytes / GB,
             "activation_gb": self.activation_bytes / GB,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_capacity_tokens": self.kv_capacity_tokens,
         }
+        if self.state_bytes_per_seq:
+            out |= {"state_bytes_per_seq": self.state_bytes_per_seq, "state_gb": self.state_bytes / GB}
+        return out
 
 
 def plan_memory(model: ModelDesc, hw: HardwareSpec, par: ParallelConfig, max_num_batched_tokens: int = 8192,
@@ -136,16 +146,21 @@ def plan_memory(model: ModelDesc, hw: HardwareSpec, par: ParallelConfig, max_num
     w = weight_bytes_per_device(model, par)
     act = activation_bytes_per_device(model, par, max_num_batched_tokens, max_num_seqs)
     kv_tok = kv_bytes_per_token_per_device(model, par)
-    need = w + act + min_kv_tokens * kv_tok
-    free = cap - w - act
+    # linear-attention / SSM layers: a fixed state per sequence (heads split by tp, layers by pp), held
+    # for every sequence the scheduler may run at once
+    state_seq = model.state_bytes_per_seq() / par.tp / par.pp
+    state = state_seq * max_num_seqs
+    need = w + act + state + min_kv_tokens * kv_tok
+    free = cap - w - act - state
     if need > cap or free <= 0:
+        st = f" + recurrent state of {max_num_seqs} sequences {state / GB:.1f}" if state else ""
         raise DoesNotFitError(
             f"{model.name} on {hw.name} with {par.describe()} does not fit: needs {need / GB:.1f} GB per device "
-            f"(weights {w / GB:.1f} + activations {act / GB:.1f} + KV for {min_kv_tokens} tokens "
+            f"(weights {w / GB:.1f} + activations {act / GB:.1f}{st} + KV for {min_kv_tokens} tokens "
             f"{min_kv_tokens * kv_tok / GB:.1f}), has {cap / GB:.1f} GB ({memory_utilization:.0%} of "
             f"{hw.memory.capacity_gib} GiB); raise tp/pp, lower max_num_batched_tokens, or pick a larger device"
         )
-    return MemoryPlan(cap, w, act, kv_tok, int(free // kv_tok) if kv_tok > 0 else 10**12)
+    return MemoryPlan(cap, w, act, kv_tok, int(free // kv_tok) if kv_tok > 0 else 10**12, state_seq, max_num_seqs)
 
 
 def pipeline_time(stage_time_s: float, num_microbatches: int, pp: int, p2p_time_s: float = 0.0) -> float:

@@ -32,6 +32,16 @@ def _qwen3_moe(repo: str, hidden: int, inter: int, moe_inter: int, layers: int, 
             "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 40960}
 
 
+# Granite 4.0-H: Mamba-2 layers with an attention (NoPE) layer at 5, 15, 25 and 35 of 40
+_GRANITE_4_H: dict[str, Any] = {
+    "model_type": "granitemoehybrid", "hidden_size": 1536, "num_hidden_layers": 40, "num_attention_heads": 12,
+    "num_key_value_heads": 4, "vocab_size": 100352, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_n_heads": 48, "mamba_d_head": 64, "mamba_expand": 2,
+    "mamba_d_conv": 4, "mamba_chunk_size": 256, "max_position_embeddings": 131072,
+    "position_embedding_type": "nope",
+    "layer_types": (["mamba"] * 5 + ["attention"] + (["mamba"] * 9 + ["attention"]) * 3 + ["mamba"] * 4),
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-2-7b": {
         "_name_or_path": "meta-llama/Llama-2-7b-hf", "model_type": "llama", "hidden_size": 4096,
@@ -94,6 +104,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1,
         "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
         "v_head_dim": 128, "torch_dtype": "bfloat16",
+    },
+    "granite-4.0-h-tiny": {  # 7B total, ~1B active (IBM); 64 experts of 512, top 6, shared MLP 1024
+        **_GRANITE_4_H, "_name_or_path": "ibm-granite/granite-4.0-h-tiny", "intermediate_size": 512,
+        "shared_intermediate_size": 1024, "num_local_experts": 64, "num_experts_per_tok": 6,
+    },
+    "granite-4.0-h-1b": {  # the dense twin: ~1.5B, no routed experts
+        **_GRANITE_4_H, "_name_or_path": "ibm-granite/granite-4.0-h-1b", "intermediate_size": 4096,
+        "shared_intermediate_size": 4096, "num_local_experts": 0, "num_experts_per_tok": 0,
     },
     "gemma-2-9b": {
         "_name_or_path": "google/gemma-2-9b", "model_type": "gemma2", "hidden_size": 3584,

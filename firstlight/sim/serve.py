@@ -42,6 +42,8 @@ class ServeConfig(BaseModel):
     slo_ttft_s: float = Field(default=2.0, gt=0)
     slo_tpot_s: float = Field(default=0.1, gt=0)
     stack: str | None = None  # a serving-stack preset (sim/stacks/): graph padding, prefill buckets, batching mode
+    mtp_acceptance: float | None = Field(default=None, ge=0, le=1)  # MTP speculation: i.i.d. draft acceptance
+    mtp_tokens: int = Field(default=1, ge=1)  # drafted tokens per step (verify runs mtp_tokens + 1)
 
 
 def _percentiles(x: np.ndarray, weights: np.ndarray | None = None) -> dict[str, float]:
@@ -91,7 +93,14 @@ def run_serve(model: ModelDesc, hw: HardwareSpec, workload: Workload, cfg: Serve
                             inflight_batching=stack.inflight_batching if stack else True,
                             num_microbatches=cfg.num_microbatches or cfg.pp, pipeline_schedule=cfg.pipeline_schedule,
                             watermark=cfg.watermark)
-    step_cost = StackCost(cost, stack) if stack is not None else cost
+    spec = None
+    if cfg.mtp_acceptance is not None:  # decode steps verify k+1 tokens and yield E on average (speculative.py)
+        from firstlight.sim.speculative import SpecCost, mtp_model
+
+        draft = CostModel(mtp_model(model), hw, par.model_copy(update={"pp": 1}), **kwargs)  # on the last stage
+        spec = SpecCost(cost, cfg.mtp_acceptance, cfg.mtp_tokens, draft)
+    inner = spec or cost
+    step_cost = StackCost(inner, stack) if stack is not None else inner
     reqs = Requests(workload)
     disagg = cfg.num_prefill_replicas > 0
     if disagg and cfg.num_decode_replicas < 1:
@@ -129,6 +138,7 @@ def run_serve(model: ModelDesc, hw: HardwareSpec, workload: Workload, cfg: Serve
     result = summarize(res, workload, cfg, hw, par, plan.to_dict() | {"kv_capacity_tokens": kv_tokens}, wall)
     result["precision"] = model.profile.summary()
     result["stack"] = None if stack is None else {"name": stack.name, "source": stack.source}
+    result["speculative"] = None if spec is None else spec.summary()
     return result, res
 
 

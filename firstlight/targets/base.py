@@ -14,7 +14,10 @@ tensors; its parameters are passed as trailing inputs (so a compiled artifact fo
 every layer with the same `key`: same structure, different weights). `compile` must return a
 callable accepting inputs of the same shapes and dtypes as `example_inputs`. Keys: `logits` (whole
 model), `embed`, `layer:<type>`, `head`, and, for targets without hooks, `attn:<type>` and `mlp`
-(a layer's attention and MLP on their own, so they are compared inside the layer too).
+(a layer's attention and MLP on their own, so they are compared inside the layer too; `attn:<type>`
+is the layer's token mixer whatever it is, attention or, for a recurrent layer type, Gated DeltaNet
+or Mamba-2, which ignore the tables; a layer without `mlp` has `block_sparse_moe` and
+`shared_mlp` units instead, Granite 4.0-H).
 
 A compiled unit must be deterministic: called twice with the same input bits it returns the same
 output bits. The harness relies on it to skip re-running a layer in isolation when its propagated

@@ -254,13 +254,6 @@ def _warn_cache(info: dict[str, Any], message: str) -> None:
     info.setdefault("warnings", []).append(message)
 
 
-# Families whose layers the unit boundaries (layers.i.self_attn / resid_mid / mlp) do not fit yet.
-NOT_VERIFIABLE = {
-    "granitemoehybrid": "its layers have no single MLP module (routed experts + an ungated shared MLP, "
-                        "each residual branch scaled) and their mixer is Mamba-2, which the sub-layer units do not cover",
-}
-
-
 @torch.no_grad()
 def run_verify(
     model_path: str | Path,
@@ -287,9 +280,6 @@ def run_verify(
     timer = _Timer()
     torch.manual_seed(cfg_v.seed)
     cfg = load_config(model_path)
-    if cfg.model_type in NOT_VERIFIABLE:
-        raise TargetError(f"verify does not support {cfg.model_type} yet: {NOT_VERIFIABLE[cfg.model_type]}; "
-                          "its parity with transformers is tested by `pytest tests/models -k " f"{cfg.model_type}`")
     with timer("load"):
         ref = reference if reference is not None else load_reference(model_path)
         if model is not None:
@@ -328,10 +318,10 @@ def run_verify(
         for i in range(num_layers):
             layer_fns.append(comp.compile(U.layer_unit(tmodel, i), (x0, *r_tab.inputs(tmodel.layers[i].layer_type))))
         head_fn = comp.compile(U.head_unit(tmodel), (x0,))
-        # Compiled units hide the inside of a layer: attention and MLP get units of their own.
+        # Compiled units hide the inside of a layer: its mixer and FFN modules get units of their own.
         sub_fns = None if target.supports_hooks else [
             (comp.compile(U.attention_unit(tmodel, i), (x0, *r_tab.inputs(tmodel.layers[i].layer_type))),
-             comp.compile(U.mlp_unit(tmodel, i), (x0,)))
+             {f: comp.compile(U.mlp_unit(tmodel, i, f), (x0,)) for f in U.ffn_subs(tmodel.layers[i])})
             for i in range(num_layers)]
 
     with timer("tables"):
@@ -475,7 +465,6 @@ def _isolate(tmodel: nn.Module, embed_fn: Callable[..., Any], seq: torch.Tensor,
     run again.
     """
     n = len(layer_fns)
-    sub = ("self_attn", "resid_mid", "mlp") if mid is not None else ()
     reused: list[str] = []
     # the embedding's input is the token ids on both sides
     embed = prop["embed"] if "embed" in prop else embed_fn(seq).float()
@@ -484,6 +473,7 @@ def _isolate(tmodel: nn.Module, embed_fn: Callable[..., Any], seq: torch.Tensor,
         for i, fn in enumerate(layer_fns):
             x_in = (ref_caps["embed"] if i == 0 else ref_caps[f"layers.{i - 1}"]).to(dtype)
             p_in = embed if i == 0 else prop.get(f"layers.{i - 1}")
+            sub = (*U.layer_subs(tmodel.layers[i]), "resid_mid") if mid is not None else ()
             names = [f"layers.{i}", *(f"layers.{i}.{s}" for s in sub)]
             t = tmodel.layers[i].layer_type
             if (p_in is not None and same_tables[t] and all(k in prop for k in names)
@@ -505,15 +495,18 @@ def _isolate(tmodel: nn.Module, embed_fn: Callable[..., Any], seq: torch.Tensor,
     return reused
 
 
-def _isolate_sub_layers(tmodel: nn.Module, sub_fns: list[tuple[Callable[..., Any], Callable[..., Any]]],
+def _isolate_sub_layers(tmodel: nn.Module,
+                        sub_fns: list[tuple[Callable[..., Any], dict[str, Callable[..., Any]]]],
                         ref_caps: dict[str, torch.Tensor], iso: dict[str, torch.Tensor], r_tab: Tables,
                         dtype: torch.dtype) -> None:
-    """Attention and MLP units of every layer on the reference's input to that module → `iso`."""
-    for i, (attn_fn, mlp_fn) in enumerate(sub_fns):
+    """Mixer and FFN units of every layer on the reference's input to that module → `iso`."""
+    for i, (attn_fn, ffn_fns) in enumerate(sub_fns):
         t = tmodel.layers[i].layer_type
-        h = ref_caps[f"layers.{i}.self_attn.input"].to(dtype)
-        iso[f"layers.{i}.self_attn"] = attn_fn(h, *r_tab.inputs(t)).float()
-        iso[f"layers.{i}.mlp"] = mlp_fn(ref_caps[f"layers.{i}.mlp.input"].to(dtype)).float()
+        mixer = U.mixer_sub(tmodel.layers[i])
+        h = ref_caps[f"layers.{i}.{mixer}.input"].to(dtype)
+        iso[f"layers.{i}.{mixer}"] = attn_fn(h, *r_tab.inputs(t)).float()
+        for f, fn in ffn_fns.items():
+            iso[f"layers.{i}.{f}"] = fn(ref_caps[f"layers.{i}.{f}.input"].to(dtype)).float()
 
 
 def _compare_boundaries(names: list[str], iso: dict[str, torch.Tensor], prop: dict[str, torch.Tensor],
@@ -705,7 +698,7 @@ def _long_range(div: dict[str, Any], ids: list[int], ref: nn.Module, comp: _Comp
     for row in compare_tables(Tables({t: tuple(x[:, :, start:] for x in c) for t, c in t_tab.rope.items()},
                                      {t: m[:, :, start:] for t, m in t_tab.masks.items()}),
                               Tables({t: tuple(x[:, :, start:] for x in c) for t, c in r_tab32.rope.items()},
-                                     {t: m[:, :, start:] for t, m in r_tab32.masks.items()}),
+                                     {t: m[:, :, start:] for t, m in r_tab32.masks.items()}, r_tab32.nope),
                               late, positions, dtype, policy, f"window {begin}..{end}"):
         rows.append({"name": row["name"], "mode": "table", "ok": row["ok"], "rel_l2": row.get("rel_l2")})
     # propagated (the target's own tables) and isolated (the reference's inputs and tables)

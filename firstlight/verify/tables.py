@@ -10,6 +10,11 @@ Reference tables come from the HF model: its rotary embedding module's cos/sin (
 for Gemma 3), HF's mask functions (`causal_mask_function`, `sliding_window_overlay`) evaluated on
 absolute query and key positions plus "the key exists" (key position >= 0), and each attention's
 `scaling`. Rows of padding queries (position -1) are don't-care and are not compared.
+
+A reference without a rotary module (NoPE: Granite 4.0-H's attention takes no position embedding)
+has no cos/sin to compare: its tables are the identity rotation (cos 1, sin 0), which the units get
+in isolation and ignore, and `nope` marks them so the rope rows are left out (ours builds tables
+that its NoPE attention does not read).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class Tables:
 
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]
     masks: dict[str, torch.Tensor]
+    nope: bool = False  # a reference without position embedding: identity cos/sin, not compared
 
     @classmethod
     def from_unit(cls, out: tuple[torch.Tensor, ...], types: list[str]) -> Tables:
@@ -45,7 +51,7 @@ class Tables:
         return cls(rope, masks)
 
     def cast(self, dtype: torch.dtype) -> Tables:
-        return Tables({t: (c.to(dtype), s.to(dtype)) for t, (c, s) in self.rope.items()}, dict(self.masks))
+        return Tables({t: (c.to(dtype), s.to(dtype)) for t, (c, s) in self.rope.items()}, dict(self.masks), self.nope)
 
     def _key(self, layer_type: str) -> str:
         """A hybrid model's recurrent layer types use no tables: they are handed the full-attention ones
@@ -76,11 +82,17 @@ class ReferenceTables:
             i = layer_types.index(t)
             hf_t = hf_types[i] if hf_types else (SLIDING if window else "full_attention")
             self.windows[t] = window if hf_t == SLIDING else None
-        rot = ref.model.rotary_emb
-        self._by_type = "layer_type" in inspect.signature(rot.forward).parameters
+        rot = getattr(ref.model, "rotary_emb", None)
+        self.nope = rot is None  # NoPE (Granite 4.0-H): no rotary module, no tables to compare
+        self._by_type = not self.nope and "layer_type" in inspect.signature(rot.forward).parameters
+        cfg = ref.config
+        self._head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
     def rope(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """fp32 cos, sin [B, 1, S, D] per layer type (HF's rotary embedding outputs)."""
+        if self.nope:  # the identity rotation, [B, 1, S, D]
+            ones = torch.ones(*positions.shape[:1], 1, positions.shape[-1], self._head_dim)
+            return {t: (ones, torch.zeros_like(ones)) for t in self.types}
         rot = self.ref.model.rotary_emb
         x = torch.zeros(1, dtype=torch.float32)  # only its dtype and device are read
         out = {}
@@ -102,7 +114,7 @@ class ReferenceTables:
         return allowed.unsqueeze(1)
 
     def tables(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> Tables:
-        return Tables(self.rope(q_pos), {t: self.mask(q_pos, k_pos, t) for t in self.types})
+        return Tables(self.rope(q_pos), {t: self.mask(q_pos, k_pos, t) for t in self.types}, self.nope)
 
 
 def _first_bad_rope_position(t: torch.Tensor, r: torch.Tensor, q_pos: torch.Tensor, tol: Any) -> int | None:
@@ -123,6 +135,8 @@ def compare_tables(target: Tables, reference: Tables, q_pos: torch.Tensor, k_pos
     # layer types that build tables on both sides (a hybrid model's recurrent layers use none)
     for t in sorted(set(reference.rope) & set(target.rope)):
         for part, tt, rr in zip(("cos", "sin"), target.rope[t], reference.rope[t], strict=True):
+            if reference.nope:  # no position embedding on the reference: nothing to compare
+                break
             name = f"tables.rope.{t}.{part}"
             tol = policy.for_tensor(name)
             sel = real[:, None, :, None].expand_as(rr)
@@ -155,7 +169,7 @@ def compare_scales(tmodel: nn.Module, ref: nn.Module) -> dict[str, Any]:
     """Each attention's softmax scale, ours (as the target prepared the model) against HF's `scaling`."""
     worst, first_bad = 0.0, None
     for i, layer in enumerate(tmodel.layers):
-        if not hasattr(ref.model.layers[i], "self_attn"):  # a hybrid model's recurrent layer: no softmax scale
+        if getattr(ref.model.layers[i], "self_attn", None) is None:  # a recurrent layer (HF Granite: None): no scale
             continue
         ours = float(getattr(getattr(layer, "self_attn", None), "scale", math.nan))
         theirs = float(getattr(ref.model.layers[i].self_attn, "scaling", math.nan))

@@ -8,6 +8,16 @@ Boundary names are ours; the HF reference module of each comes from `hf_module_n
     layers.i               layer output (the residual stream after the layer)
     norm                   final norm output         logits         model output
 
+A layer's sub-layer boundaries are its token mixer, then its feed-forward modules (`layer_subs`),
+named after the module on both sides (same names in ours and HF's):
+
+    mixer   layers.i.self_attn (attention; also a Gated DeltaNet `linear_attn`, compared there)
+            layers.i.mamba     (Granite 4.0-H's Mamba-2 mixer)
+    FFN     layers.i.mlp       (a dense MLP or a whole MoE block: router, experts, shared expert)
+            layers.i.block_sparse_moe, layers.i.shared_mlp   (Granite: routed experts and the
+            ungated shared MLP side by side, each a boundary; their sum times the residual
+            multiplier is the layer's update, so neither alone is an `mlp`)
+
 A unit is embed (ids → x), layers.i ((x, cos, sin, mask) → x) or head (x → (norm, logits)); its
 parameters are trailing inputs (see firstlight/targets/base.py). Targets whose compiled units hide
 the inside of a layer (no hooks) also compile a layer's attention ((h, cos, sin, mask) → out) and
@@ -38,12 +48,35 @@ def mid_norm_name(layer: nn.Module) -> str:
     return "pre_feedforward_layernorm" if hasattr(layer, "pre_feedforward_layernorm") else "post_attention_layernorm"
 
 
+FFN_PARTS = ("block_sparse_moe", "shared_mlp")  # a layer without `mlp`: these, side by side (Granite)
+
+
+def mixer_sub(layer: nn.Module) -> str:
+    """The boundary name of a layer's token mixer: `mamba` for a Mamba-2 layer, else `self_attn`."""
+    return "mamba" if getattr(layer, "mamba", None) is not None else "self_attn"
+
+
+def ffn_subs(layer: nn.Module) -> tuple[str, ...]:
+    """A layer's feed-forward boundaries: `mlp`, or the routed experts and shared MLP it has (Granite)."""
+    if getattr(layer, "mlp", None) is not None:
+        return ("mlp",)
+    return tuple(n for n in FFN_PARTS if getattr(layer, n, None) is not None)
+
+
+def layer_subs(layer: nn.Module) -> tuple[str, ...]:
+    """Sub-layer boundary names of one layer in model order (mixer, then FFN); the rule reads the
+    layer's modules, so it gives the same names on our layer and on the HF reference's."""
+    return (mixer_sub(layer), *ffn_subs(layer))
+
+
 def boundary_names(model: nn.Module, sub_layer: bool = True, resid_mid: bool = True) -> list[str]:
     """Boundaries in model order; `resid_mid` only exists where hooks see inside a layer."""
     names = ["embed"]
-    for i in range(len(model.layers)):
+    for i, layer in enumerate(model.layers):
         if sub_layer:
-            names += [f"layers.{i}.self_attn", *([f"layers.{i}.resid_mid"] if resid_mid else []), f"layers.{i}.mlp"]
+            mixer, *ffn = layer_subs(layer)
+            names += [f"layers.{i}.{mixer}", *([f"layers.{i}.resid_mid"] if resid_mid else []),
+                      *(f"layers.{i}.{f}" for f in ffn)]
         names.append(f"layers.{i}")
     return names + ["norm", "logits"]
 
@@ -63,7 +96,6 @@ def capture(
     resolve: Callable[[str], str] = lambda n: n,
     layers: int = 0,
     sub_layer: bool = True,
-    layer_names: tuple[str, ...] = ("self_attn", "mlp"),
     mid_norm: str = "post_attention_layernorm",
     inputs_too: bool = False,
     sub_inputs: bool = False,
@@ -72,8 +104,9 @@ def capture(
 
     `resolve` maps our module path to the module path in `root` (identity for our model,
     `hf_module_name` for the HF reference). `inputs_too` also records each layer's input as
-    `layers.i.input` (needed when units run out of order); `sub_inputs` the inputs of attention
-    and MLP as `layers.i.self_attn.input` / `layers.i.mlp.input` (the sub-layer units' inputs).
+    `layers.i.input` (needed when units run out of order); `sub_inputs` the inputs of the sub-layer
+    modules (`layer_subs`) as `layers.i.self_attn.input`, `layers.i.mlp.input`, ... (the sub-layer
+    units' inputs).
     """
     handles = []
 
@@ -95,7 +128,7 @@ def capture(
             elif inputs_too:
                 handles.append(layer.register_forward_pre_hook(in_hook(f"layers.{i}.input"), with_kwargs=True))
             if sub_layer:
-                for sub in layer_names:
+                for sub in layer_subs(layer):
                     mod = _sub_module(root, resolve, i, sub)
                     handles.append(mod.register_forward_hook(out_hook(f"layers.{i}.{sub}")))
                     if sub_inputs:
@@ -152,24 +185,37 @@ class LayerAdapter(nn.Module):
         return self.layer(x, {t: (cos, sin)}, {t: mask}, NoCache())
 
 
+def mixer_module(layer: nn.Module) -> nn.Module:
+    """The layer's token mixer: attention, Gated DeltaNet (`linear_attn`) or Mamba-2 (`mamba`)."""
+    for name in ("self_attn", "linear_attn", "mamba"):
+        mod = getattr(layer, name, None)
+        if mod is not None:
+            return mod
+    raise AttributeError(f"{type(layer).__name__} has no token mixer (self_attn, linear_attn, mamba)")
+
+
 class AttentionAdapter(nn.Module):
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
         self.layer = layer
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """h: the attention's input (after the layer's input norm) [B, S, E] → attention output [B, S, E]."""
-        return self.layer.self_attn(h, cos, sin, mask, NoCache())
+        """h: the mixer's input (after the layer's input norm) [B, S, E] → mixer output [B, S, E].
+        A recurrent mixer (linear attention, Mamba-2) starts from a zero state and ignores the tables."""
+        if getattr(self.layer, "self_attn", None) is not None:
+            return self.layer.self_attn(h, cos, sin, mask, NoCache())
+        return mixer_module(self.layer)(h, NoCache())
 
 
 class MLPAdapter(nn.Module):
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, name: str = "mlp") -> None:
         super().__init__()
-        self.layer = layer
+        self.layer, self.name = layer, name
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h: the MLP's input (after its norm) [B, S, E] → MLP output [B, S, E]."""
-        return self.layer.mlp(h)
+        """h: the FFN module's input (after its norm) [B, S, E] → its output [B, S, E] (before any
+        residual multiplier)."""
+        return getattr(self.layer, self.name)(h)
 
 
 class HeadAdapter(nn.Module):
@@ -307,13 +353,16 @@ def layer_unit(model: nn.Module, i: int) -> Unit:
 
 
 def attention_unit(model: nn.Module, i: int) -> Unit:
+    """The layer's token mixer (attention, linear attention or Mamba-2): key `attn:<layer type>`."""
     layer = model.layers[i]
-    return Unit(AttentionAdapter(layer), [layer.self_attn], f"layers.{i}", f"attn:{layer.layer_type}", "layer")
+    return Unit(AttentionAdapter(layer), [mixer_module(layer)], f"layers.{i}", f"attn:{layer.layer_type}", "layer")
 
 
-def mlp_unit(model: nn.Module, i: int) -> Unit:
+def mlp_unit(model: nn.Module, i: int, name: str = "mlp") -> Unit:
+    """One feed-forward module of the layer (`ffn_subs`): key `mlp`, or its name (`block_sparse_moe`,
+    `shared_mlp`)."""
     layer = model.layers[i]
-    return Unit(MLPAdapter(layer), [layer.mlp], f"layers.{i}", "mlp", "layer")
+    return Unit(MLPAdapter(layer, name), [getattr(layer, name)], f"layers.{i}", name, "layer")
 
 
 def head_unit(model: nn.Module) -> Unit:

@@ -95,3 +95,46 @@ def test_missing_mtp_weight_is_named(tiny_dirs, tmp_path):
     save_file(tensors, ckpt / "model.safetensors")
     with pytest.raises(ModelLoadError, match=r"tensor mtp.fc.weight is missing"):
         load_model(ckpt, with_tokenizer=False)
+
+
+def test_mtp_matches_a_reimplementation_from_transformers_modules(tiny_dirs):
+    """transformers has no MTP module (it skips `mtp.*`), so verify has no reference for it. Instead:
+    the MTP layer rebuilt from transformers' own Qwen3-Next modules (a full-attention MoE decoder
+    layer, Gemma-style RMSNorms, a plain fc), with the `mtp.*` weights read from the checkpoint file,
+    composed as vLLM's qwen3_next_mtp.py does: norm(layer(fc([norm_e(embed(t+1)), norm_h(hidden_t)])))."""
+    from firstlight.models.hf_names import checkpoint_names
+    from firstlight.verify.harness import load_reference
+
+    ckpt = tiny_dirs["qwen3_next"]
+    ref = load_reference(ckpt)
+    model, _ = load_model(ckpt, with_tokenizer=False)
+    files = load_file(ckpt / "model.safetensors")
+    cfg = ref.config
+    full = cfg.layer_types.index("full_attention")
+    assert full == 3 and model.config.moe.sparse_layers[full]  # the MTP layer's kind: full attention, sparse MoE
+    layer = type(ref.model.layers[full])(cfg, full).eval()
+    norms = {n: type(ref.model.norm)(cfg.hidden_size, eps=cfg.rms_norm_eps) for n in
+             ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+    fc = torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+
+    def from_file(hf: str) -> torch.Tensor:  # the in-memory HF tensor, from the hub-layout file
+        names = [hf] if hf in files else checkpoint_names("model." + hf, "qwen3_next", cfg.num_experts)
+        if isinstance(names[0], list):  # per-expert files, stacked
+            return torch.stack([torch.cat([files[n.removeprefix("model.")] for n in g]) for g in names])
+        return files[names[0].removeprefix("model.")]
+
+    layer.load_state_dict({n: from_file(f"mtp.layers.0.{n}") for n in layer.state_dict()})
+    for n, mod in norms.items():
+        mod.load_state_dict({"weight": files[f"mtp.{n}.weight"]})
+    fc.load_state_dict({"weight": files["mtp.fc.weight"]})
+
+    ids = torch.randint(0, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(6)[None].expand(2, -1)
+    with torch.no_grad():
+        hidden = model.forward_hidden(ids, torch.arange(7)[None].expand(2, -1))[:, :-1]  # final normed states
+        ours = model.forward_mtp(hidden, ids[:, 1:], pos)
+        e = norms["pre_fc_norm_embedding"](ref.model.embed_tokens(ids[:, 1:]))
+        x = fc(torch.cat([e, norms["pre_fc_norm_hidden"](hidden)], dim=-1))
+        x = layer(x, position_embeddings=ref.model.rotary_emb(x, pos), attention_mask=None, position_ids=pos)
+        theirs = norms["norm"](x)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)

@@ -1,12 +1,12 @@
 """Verify on MoE and hybrid families: eager matches, and faults planted inside the router/experts,
-the shared expert and the linear-attention mixer are localized to that module and layer."""
+the shared expert, the linear-attention and Mamba-2 mixers are localized to that module and layer."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from firstlight.targets.base import TargetError
+from firstlight.targets.base import Target, TargetError
 from firstlight.targets.faulty import Fault, FaultyTarget
 from firstlight.targets.registry import get_target
 from firstlight.verify.harness import VerifyConfig, run_verify
@@ -14,7 +14,7 @@ from firstlight.verify.harness import VerifyConfig, run_verify
 CFG = VerifyConfig(new_tokens=8, ppl_tokens=0)
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_next", "granitemoehybrid"])
 def test_eager_matches_reference(tiny_dirs, references, family):
     res = run_verify(tiny_dirs[family], get_target("eager"), "eager", config=CFG, reference=references(family))
     assert res.verdict == "match"
@@ -29,6 +29,13 @@ PLANTED = [
                  "aten.softplus", "layers.2.linear_attn", 2, id="deltanet-decay-qwen3_next"),
     pytest.param("qwen3_next", Fault("noise", op="aten._grouped_mm", layer=0, nth=1, value=0.2),
                  "aten._grouped_mm", "layers.0.mlp.experts", 0, id="experts-down-qwen3_next"),
+    # Granite 4.0-H (layers: mamba, mamba, attention, mamba): Mamba-2 step size, experts, shared MLP
+    pytest.param("granitemoehybrid", Fault("scale", op="aten.softplus", layer=1, value=1.5),
+                 "aten.softplus", "layers.1.mamba", 1, id="mamba-step-granite"),
+    pytest.param("granitemoehybrid", Fault("noise", op="aten._grouped_mm", layer=2, nth=1, value=0.2),
+                 "aten._grouped_mm", "layers.2.block_sparse_moe.experts", 2, id="experts-down-granite"),
+    pytest.param("granitemoehybrid", Fault("noise", op="aten.mm", module="layers.3.shared_mlp.down_proj", value=0.2),
+                 "aten.mm", "layers.3.shared_mlp.down_proj", 3, id="shared-mlp-granite"),
 ]
 
 
@@ -98,9 +105,92 @@ def test_weight_fault_options():
         Fault("weight", param="nope").plant_weight(torch.nn.Linear(2, 2))
 
 
-def test_unsupported_family_is_refused_by_name(tiny_dirs):
-    """Granite 4.0-H's layers do not fit the sub-layer boundaries yet: a one-line error, not a crash."""
-    from firstlight.targets.base import TargetError
+# ---- Granite 4.0-H: Mamba-2 mixer, routed experts and shared MLP as boundaries of their own -------
 
-    with pytest.raises(TargetError, match="verify does not support granitemoehybrid yet: .*Mamba-2"):
-        run_verify(tiny_dirs["granitemoehybrid"], get_target("eager"), "eager", config=CFG)
+def test_granite_boundaries_name_mixer_experts_and_shared_mlp(tiny_dirs, references):
+    """Each layer is compared at its mixer (`mamba` or `self_attn`), the residual stream, the routed
+    experts (`block_sparse_moe`) and the shared MLP, every one within tolerance on eager."""
+    res = run_verify(tiny_dirs["granitemoehybrid"], get_target("eager"), "eager", config=CFG,
+                     reference=references("granitemoehybrid"))
+    names = [b["name"] for b in res.boundaries]
+    assert names[:6] == ["embed", "layers.0.mamba", "layers.0.resid_mid", "layers.0.block_sparse_moe",
+                         "layers.0.shared_mlp", "layers.0"]
+    assert "layers.2.self_attn" in names and "layers.2.mamba" not in names  # the attention layer
+    assert all(b["isolated"]["ok"] for b in res.boundaries if "isolated" in b)
+    assert res.verdict == "match", res.reasons
+    # NoPE: the reference has no rotary tables, so none are compared (masks and scales still are)
+    assert not [t for t in res.tables if t["name"].startswith("tables.rope")]
+    assert any(t["name"].startswith("tables.mask") for t in res.tables)
+
+
+def test_weight_fault_in_mamba_is_blamed_on_that_weight(tiny_dirs, references):
+    """Layer 1's Mamba out_proj weight scaled by 1.05: the mixer boundary fails, no op fails on the
+    reference's weights, and the weight check names the parameter."""
+    fault = Fault("weight", param="layers.1.mamba.out_proj.weight", value=1.05)
+    res = run_verify(tiny_dirs["granitemoehybrid"], FaultyTarget(torch.float32, faults=[fault]), "faulty",
+                     config=CFG, reference=references("granitemoehybrid"))
+    assert res.verdict == "mismatch" and fault.hits == 1
+    assert res.reasons[0] == "layers.1.mamba: isolated error over tolerance"
+    assert res.first_failing["unit"] == "layers.1"
+    c = res.culprit
+    assert c is not None, res.first_failing
+    assert (c["op"], c["param"], c["module"], c["layer"]) == (
+        "weight", "layers.1.mamba.out_proj.weight", "layers.1.mamba.out_proj", 1)
+    assert c["source"].startswith("firstlight/models/mamba2.py")
+
+
+def test_sub_layer_units_cover_every_mixer_and_ffn(tiny_dirs):
+    """Targets without hooks compile each layer's mixer and FFN modules as units: attention, Gated
+    DeltaNet and Mamba-2 mixers, `mlp` or Granite's `block_sparse_moe` + `shared_mlp`, each one
+    reproducing the module on the layer's own input."""
+    from firstlight.models.loader import load_model
+    from firstlight.verify import units as U
+
+    for family in ("qwen3_next", "granitemoehybrid"):
+        model, _ = load_model(tiny_dirs[family], torch.float32, with_tokenizer=False)
+        pos = torch.arange(6)[None]
+        rope, masks = model.rope_tables(pos, torch.float32), model.masks(pos, pos)
+        h = torch.randn(1, 6, model.config.hidden_size)
+        for i, layer in enumerate(model.layers):
+            t = layer.layer_type
+            mixer = U.attention_unit(model, i)
+            out = mixer(h, *rope[t], masks[t], *mixer.params())
+            assert out.shape == h.shape and torch.isfinite(out).all()
+            for f in U.ffn_subs(layer):
+                unit = U.mlp_unit(model, i, f)
+                torch.testing.assert_close(unit(h, *unit.params()), getattr(layer, f)(h), rtol=0, atol=0)
+                assert unit.key == f and unit.model_path(f"layer.{f}") == f"layers.{i}.{f}"
+        if family == "granitemoehybrid":
+            assert U.layer_subs(model.layers[0]) == ("mamba", "block_sparse_moe", "shared_mlp")
+            assert U.layer_subs(model.layers[2]) == ("self_attn", "block_sparse_moe", "shared_mlp")
+
+
+class _Miscompiled(Target):
+    """A compiling target (no hooks) whose units of the given keys come out 10% too large."""
+
+    name = "miscompiled"
+    supports_hooks = False
+
+    def __init__(self, keys: tuple[str, ...]) -> None:
+        super().__init__(torch.float32)
+        self.keys = keys
+
+    def compile(self, unit, example_inputs, key):
+        return (lambda *xs: unit(*xs) * 1.1) if key in self.keys else unit
+
+
+@pytest.mark.parametrize(("key", "boundary"), [("attn:mamba", "layers.0.mamba"),
+                                               ("shared_mlp", "layers.0.shared_mlp"),
+                                               ("block_sparse_moe", "layers.0.block_sparse_moe")])
+def test_granite_sub_layer_units_without_hooks(tiny_dirs, references, key, boundary):
+    """Without hooks the mixer and both FFN modules are compiled units of their own, compared in
+    isolation inside the layer: a miscompiled one fails its boundary while the layer units pass."""
+    res = run_verify(tiny_dirs["granitemoehybrid"], _Miscompiled((key,)), "miscompiled", config=CFG,
+                     reference=references("granitemoehybrid"))
+    rows = {b["name"]: b for b in res.boundaries}
+    assert {n for n in rows if n.startswith("layers.2.")} == {
+        "layers.2.self_attn", "layers.2.block_sparse_moe", "layers.2.shared_mlp"}
+    assert rows[boundary]["isolated"]["rel_l2"] == pytest.approx(0.1, rel=1e-3)
+    assert all(b["isolated"]["ok"] for n, b in rows.items() if "isolated" in b and not n.endswith(boundary[9:]))
+    assert res.verdict == "mismatch" and res.first_failing["unit"] == "layers.0"
+    assert res.culprit is None and "how the target compiled the unit" in res.first_failing["note"]

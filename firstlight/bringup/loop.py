@@ -221,6 +221,10 @@ class BringupLoop:
             if not kept:
                 raise  # the chip's own defaults: nothing the loop can remedy
             return Evaluation(None, str(e), None, [str(e)], None, target, time.perf_counter() - t0)
+        finally:
+            # an Evaluation keeps its target (site numerics, pricing) but not the weights it prepared:
+            # at HiFi4 they are several times the model (Gemma 3 270M: ~3 GB per kept run)
+            target.release_prepared()
         result = res.to_dict()
         unmet = self.cfg.goal.unmet(result)
         sig = classify(result, None, ctx) if unmet else None

@@ -260,6 +260,14 @@ class EmulatedTarget(Target):
             module.register_forward_hook(self._leave)
         return model
 
+    def release_prepared(self) -> None:
+        """Drop the weights prepared for this configuration (quantized, fidelity-split, rounded copies:
+        several times the model's bytes at HiFi4). The next forward prepares them again; a caller that
+        keeps finished runs around for their reports (the bring-up loop) calls this after each."""
+        self._weights = K.WeightCache()
+        if self._model is not None:
+            self._weights.pin(self._model.parameters())
+
     def _enter(self, path: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
             self._stack.append(path)

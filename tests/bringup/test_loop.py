@@ -157,3 +157,14 @@ def test_a_candidate_the_chip_cannot_run_is_an_error_not_a_crash(tiny_checkpoint
     from firstlight.bringup.loop import judge
 
     assert judge(before, after) == "error"
+
+
+def test_a_finished_run_keeps_its_target_but_not_its_prepared_weights(tiny_checkpoint, failing_chip, tmp_path):
+    """The loop holds a few Evaluations at a time; their prepared weights (fidelity parts, rounded copies)
+    are dropped after each run so memory stays at a few model copies (Gemma 3 at HiFi4 ran out of 24 GB)."""
+    loop = _loop(tiny_checkpoint("llama", seed=3), failing_chip, tmp_path / "out", tmp_path / "pb.json")
+    host = R.Candidate("host_fallback", (R.rule(module="rotary", fallback="host"),), "rotary on the host")
+    ev = loop.evaluate([host])
+    assert ev.result is not None and not ev.target._weights._cache and not ev.target._weights._rounded
+    assert ev.target._weights._pinned  # a later forward on this target prepares them again
+    assert loop.price([host], ev) == pytest.approx(ev.cost_ms)  # pricing needs no prepared weights

@@ -72,3 +72,11 @@ def sample_from_logits(
         return int(logits.argmax()), None
     q = torch.softmax(logits.float() / temperature, dim=-1)
     return int(torch.multinomial(q, 1, generator=generator)), q
+
+
+def draw_rows(logits: torch.Tensor, requests: list[SpecRequest]) -> list[tuple[int, torch.Tensor | None]]:
+    """(token, q) per row of logits [B, V] for requests[b]: one batched argmax for the greedy rows, the
+    request's own generator for the others (so its draws do not depend on the batch)."""
+    greedy = logits.argmax(-1).tolist()
+    return [(greedy[b], None) if r.temperature <= 0 else sample_from_logits(logits[b], r.temperature, r.generator)
+            for b, r in enumerate(requests)]

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from firstlight.engine.speculative.adaptive import decode_bytes
-from firstlight.engine.speculative.base import Proposal, Proposer, SpecRequest, sample_from_logits
+from firstlight.engine.speculative.base import Proposal, Proposer, SpecRequest, draw_rows, sample_from_logits
 from firstlight.engine.speculative.config import SpecConfig
 from firstlight.engine.speculative.draft_cache import DraftKVPool
 from firstlight.engine.speculative.registry import register
@@ -179,13 +179,7 @@ class DraftProposer(Proposer):
             rows = [i for i in order if requests[i].num_spec_tokens > step]
             hidden = self._forward([slots[i] for i in rows], [[last[i]] for i in rows])  # [B, 1, E]
             logits = self.draft.compute_logits(hidden[:, -1])  # [B, V]
-            greedy = logits.argmax(-1).tolist()
-            for b, i in enumerate(rows):
-                r = requests[i]
-                if r.temperature <= 0:
-                    tok, q = greedy[b], None
-                else:  # the request's own generator: its draws do not depend on the batch
-                    tok, q = sample_from_logits(logits[b], r.temperature, r.generator)
+            for i, (tok, q) in zip(rows, draw_rows(logits, [requests[i] for i in rows]), strict=True):
                 tokens[i].append(tok)
                 qs[i].append(q)
                 last[i] = tok

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from firstlight.engine.speculative.adaptive import decode_bytes, module_bytes
-from firstlight.engine.speculative.base import Proposal, Proposer, SpecRequest, sample_from_logits
+from firstlight.engine.speculative.base import Proposal, Proposer, SpecRequest, draw_rows
 from firstlight.engine.speculative.config import SpecConfig
 from firstlight.engine.speculative.draft_cache import DraftKVPool
 from firstlight.engine.speculative.registry import register
@@ -124,13 +124,7 @@ class MTPProposer(Proposer):
                 for b, i in enumerate(rows):
                     last[i] = out[b, -1]
             logits = self.target.compute_logits(torch.stack([last[i] for i in rows]))  # [B, V]
-            greedy = logits.argmax(-1).tolist()
-            for b, i in enumerate(rows):
-                r = requests[i]
-                if r.temperature <= 0:
-                    tok, q = greedy[b], None
-                else:  # the request's own generator: its draws do not depend on the batch
-                    tok, q = sample_from_logits(logits[b], r.temperature, r.generator)
+            for i, (tok, q) in zip(rows, draw_rows(logits, [requests[i] for i in rows]), strict=True):
                 tokens[i].append(tok)
                 qs[i].append(q)
         return [

@@ -143,6 +143,9 @@ class BringupState:
     kept: list[dict[str, Any]] = field(default_factory=list)  # candidates, in the order applied
     overrides: dict[str, Any] = field(default_factory=dict)  # base rules + kept candidates' rules
     tried: dict[str, list[str]] = field(default_factory=dict)  # signature -> candidate keys tried
+    # candidates reverted, with how many remedies were kept then: once more are kept, the error they
+    # targeted may dominate, so each is retried once when no new candidate is left (see _retry)
+    reverted: list[dict[str, Any]] = field(default_factory=list)
     iterations: list[dict[str, Any]] = field(default_factory=list)
     # performance candidates not run: the spec predicts them no faster than what is kept (description, ms)
     skipped: list[dict[str, Any]] = field(default_factory=list)
@@ -266,7 +269,15 @@ class BringupLoop:
             tried = st.tried.setdefault(sig.describe(), [])
             # the planner ranks only what is left to try (a chat planner must not pick a tried one)
             untried = [c for c in R.candidates(sig, ctx) if c.key not in tried and c.key not in {k.key for k in kept}]
+            for c in [c for c in untried if not self.changes_numerics(c, current)]:
+                # e.g. bf16 weights everywhere once the whole model is upcast: a verify run would show nothing
+                untried.remove(c)
+                tried.append(c.key)
+                st.skipped.append({"description": c.description, "change": "no-op", "signature": sig.describe()})
             cands = self.planner.rank(sig, untried, self.info, spread=current.spread()) if untried else []
+            phase = "correctness"
+            if not cands:
+                cands, phase = self._retry(kept, current), "retry"
             if not cands:
                 st.status = "no_remedy"
                 self._log("no remedy left", current, sig, None)
@@ -279,12 +290,27 @@ class BringupLoop:
             if outcome in GOOD:
                 kept.append(cand)
                 current = trial
+            elif outcome != "error" and phase == "correctness":
+                st.reverted.append({"candidate": cand.to_dict(), "kept": len(kept), "retried": False})
             self._record(sig, cand, outcome, before, trial)
-            self._log("correctness", trial, sig, cand, outcome, before=before)
+            self._log(phase, trial, sig, cand, outcome, before=before)
         st.status = "met"
         st.phase = "performance"
         self._save()
         return current
+
+    def _retry(self, kept: list[R.Candidate], current: Evaluation) -> list[R.Candidate]:
+        """A reverted candidate, tried again once, when remedies kept since may have removed the larger
+        error that hid its gain (Gemma 3 on Wormhole: exact exp in the attention lost to the bf16
+        matmuls' error early and was what remained once the model was upcast). Most recent first."""
+        keys = {c.key for c in kept}
+        for r in reversed(self.state.reverted):
+            cand = _candidate(r["candidate"])
+            if not r["retried"] and r["kept"] < len(kept) and cand.key not in keys:
+                r["retried"] = True
+                if self.changes_numerics(cand, current):
+                    return [cand]
+        return []
 
     def _performance(self, kept: list[R.Candidate], current: Evaluation) -> Evaluation:
         spent = 0
@@ -315,6 +341,16 @@ class BringupLoop:
                 if better:
                     break
         return current
+
+    def changes_numerics(self, cand: R.Candidate, current: Evaluation) -> bool:
+        """Whether adding `cand` to the configuration `current` ran changes the numerics (or placement)
+        of any site its run dispatched; with no sites to compare (it did not compile), assume it does."""
+        sites = current.target.sites_seen()
+        if not sites:
+            return True
+        trial = EmulatedTarget(chip=self.cfg.chip, overrides=current.target.overrides.plus(*cand.rules),
+                               seed=self.cfg.seed)
+        return any(trial.site_numerics(m, op) != current.target.site_numerics(m, op) for m, op in sites)
 
     def price(self, kept: list[R.Candidate], current: Evaluation) -> float | None:
         """The spec-predicted ms per request of `kept`, priced on the current run's trace (no model run);

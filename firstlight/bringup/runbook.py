@@ -42,11 +42,17 @@ def render(state: BringupState, command: str, overrides_file: str) -> str:
         lines.append(f"| {it['run']} | {it['phase']}{' (' + it['change'] + ')' if it.get('change') else ''} | "
                      f"{desc or '-'} | {rem.get('description', '-')} | {it.get('outcome') or ('met' if after.get('met') else '-')} | "
                      f"{_evidence(after) or '-'} | {_fmt(after.get('cost_ms'), '.3f')} | {_fmt(it.get('cost_delta_ms'), '+.3f')} |")
-    if state.skipped:
+    noop = [s for s in state.skipped if s["change"] == "no-op"]
+    priced = [s for s in state.skipped if s["change"] != "no-op"]
+    if noop:
+        lines += ["", "Correctness candidates not run, because they change the numerics of no op the last run "
+                  "dispatched (remedies already kept cover them):", ""]
+        lines += [f"- {s['description']} (for {s['signature']})" for s in noop]
+    if priced:
         lines += ["", "Performance candidates not run, because the spec prices them no faster than the configuration "
                   "they would replace (a later rule overrides them, or the op is not on the critical resource):", ""]
         lines += [f"- {s['change']} {s['description']}: {_fmt(s['predicted_ms'], '.3f')} ms vs "
-                  f"{_fmt(s['current_ms'], '.3f')} ms" for s in state.skipped]
+                  f"{_fmt(s['current_ms'], '.3f')} ms" for s in priced]
     lines += ["", "## Remedies kept", ""]
     lines += [f"{i + 1}. **{c['remedy']}**: {c['description']}" for i, c in enumerate(state.kept)] or ["(none)"]
     if state.final:

@@ -9,7 +9,11 @@ remedy learned on one layer, model or chip is tried first on the next):
     Accumulation       a matmul whose error grows with its reduction length (narrow accumulator)
     OpClassError       error concentrated in one op class: matmul, softmax, norm, transcendental, ...
     TableMismatch      a table the target builds (rotary cos/sin, mask, scales) differs from the reference's
-    DecodeOnly         prefill matches, the decode path through the KV cache does not
+    DecodeOnly         the full forward matches; a serving path (decode steps or chunked prefill through
+                       the paged KV cache) differs from the target's own full forward, or its cached K/V
+                       from the reference's. A path step that agrees with the target's own full forward
+                       and still misses the reference is the model's numerics on that row: QualityOnly
+                       (or the op class of the culprit verify replayed), not a path failure.
     PositionDivergence only late positions / long-range checks fail
     UnitComposition    a unit fails but no single op does (fusion / reordering / compound rounding)
     QualityOnly        every unit passes, an end-to-end quality metric does not
@@ -141,12 +145,17 @@ class TableMismatch(Signature):
 @dataclass(frozen=True)
 class DecodeOnly(Signature):
     kind: ClassVar[str] = "decode_only"
+    path: str = ""
     step: int | None = None
+    phase: str = ""  # "decode" | "prefill" (a chunk through the cache) | "cache" (only the cached K/V differ)
+    unit: str = ""  # the step's first unit over tolerance on the reference's inputs ("" when none is)
     op: str = ""
     module: str = ""
 
     def key(self) -> str:
-        return f"{self.kind}:{op_class(self.op, self.module) if self.op else 'unknown'}"
+        what = op_class(self.op, self.module) if self.op else "cache" if self.phase == "cache" or not self.unit \
+            else "unit"
+        return f"{self.kind}:{what}"
 
 
 @dataclass(frozen=True)
@@ -193,7 +202,7 @@ def classify(result: dict[str, Any] | None, error: Exception | None = None, ctx:
     if error is not None:
         raise error
     assert result is not None
-    for finder in (_non_finite, _table, _unit_failure, _decode_only, _late_positions):
+    for finder in (_non_finite, _table, _path_failure, _unit_failure, _late_positions):
         sig = finder(result, ctx)
         if sig is not None:
             return sig
@@ -220,6 +229,9 @@ def _table(result: dict[str, Any], ctx: Context) -> Signature | None:
     for t in result.get("tables") or []:
         if not t.get("ok", True):
             return TableMismatch(table=str(t.get("name", "")), op=str(t.get("op", "")))
+    first = result.get("first_failing") or {}
+    if first.get("unit") == "tables":  # a table a serving path's step built
+        return TableMismatch(table=str(first.get("table") or ""))
     return None
 
 
@@ -227,6 +239,11 @@ def _unit_failure(result: dict[str, Any], ctx: Context) -> Signature | None:
     first = result.get("first_failing")
     if not first:
         return None
+    return _op_signature(result, first, ctx)
+
+
+def _op_signature(result: dict[str, Any], first: dict[str, Any], ctx: Context) -> Signature:
+    """From the failing unit's op replay: the culprit's class (or accumulation), else unit composition."""
     c = result.get("culprit")
     if c is None:  # every op within tolerance alone: aim at the one closest to failing
         worst = max((r for r in result.get("ops") or [] if math.isfinite(r["isolated"].get("rel_l2", 0.0))),
@@ -270,16 +287,40 @@ def _growth_with_k(records: list[dict[str, Any]], ctx: Context) -> float | None:
     return cov / var if var else None
 
 
-def _decode_only(result: dict[str, Any], ctx: Context) -> Signature | None:
-    dec = result.get("decode")
-    if not isinstance(dec, dict) or dec.get("ok", True):
+def _path_failure(result: dict[str, Any], ctx: Context) -> Signature | None:
+    """A serving path fails while the full forward's units pass (verify localizes a path only then)."""
+    first = result.get("first_failing") or {}
+    if first and not first.get("path"):
+        return None  # a unit of the full forward fails: that is the evidence to act on
+    name, rec = next(((n, r) for n, r in (result.get("paths") or {}).items() if not r.get("ok", True)), (None, None))
+    if rec is None:
         return None
-    c = dec.get("culprit") or {}
-    return DecodeOnly(step=dec.get("first_failing_step"), op=c.get("op", ""), module=c.get("module", ""))
+    k = rec.get("first_failing_step")
+    if k is None:  # every step's logits pass; the K/V the target cached do not
+        bad = (rec.get("kv_cache") or {}).get("first_bad") or {}
+        layer = bad.get("layer")
+        return DecodeOnly(path=name, phase="cache", unit="" if layer is None else f"layers.{layer}")
+    step = rec["steps"][k]
+    own = step.get("vs_full_forward") or {}
+    unit = first.get("unit") or ""
+    if own.get("ok", False):
+        # the step agrees with the target's own full forward of its row: no path bug, the model's
+        # numerics miss on this row's input; act on the op verify replayed there, if it named one
+        if result.get("culprit") and unit:
+            return _op_signature(result, first, ctx)
+        reasons = tuple(r for r in result.get("reasons") or () if r.startswith(f"{name} path"))
+        return QualityOnly(metric="kl", reasons=reasons)
+    c = result.get("culprit") or {}
+    return DecodeOnly(path=name, step=k, phase=str(step.get("phase", "")), unit=unit,
+                      op=str(c.get("op") or ""), module=str(c.get("module") or ""))
 
 
 def _late_positions(result: dict[str, Any], ctx: Context) -> Signature | None:
-    div = result.get("divergence") or {}
-    if isinstance(div, dict) and div.get("start") is not None:
-        return PositionDivergence(position=int(div["start"]), unit=str(div.get("unit", "")))
+    """Only the long-range check (perplexity windows) fails; verify's long-range pass says from where."""
+    lr = result.get("long_range") or {}
+    if lr.get("first_position") is not None:
+        return PositionDivergence(position=int(lr["first_position"]), unit=str(lr.get("first_unit") or ""))
+    div = (result.get("perplexity") or {}).get("first_divergence") or {}
+    if div.get("position") is not None and not result.get("first_failing"):
+        return PositionDivergence(position=int(div["position"]))
     return None

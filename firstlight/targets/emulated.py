@@ -260,6 +260,10 @@ class EmulatedTarget(Target):
             module.register_forward_hook(self._leave)
         return model
 
+    def sites_seen(self) -> list[tuple[str, str]]:
+        """Every (module, op packet) this target has computed numerics for: the sites its runs dispatched."""
+        return list(self._site_cache)
+
     def release_prepared(self) -> None:
         """Drop the weights prepared for this configuration (quantized, fidelity-split, rounded copies:
         several times the model's bytes at HiFi4). The next forward prepares them again; a caller that

@@ -104,10 +104,13 @@ def test_non_finite_table_decode_position_and_quality():
         == NonFinite(op="aten.exp.default", module="layers.2.self_attn")
     assert classify(_result(tables=[{"name": "rope:sliding_attention", "ok": False, "op": "aten.cos"}])) \
         == TableMismatch(table="rope:sliding_attention", op="aten.cos")
-    dec = classify(_result(decode={"ok": False, "first_failing_step": 2,
-                                    "culprit": {"op": "aten.bmm.default", "module": "layers.0.self_attn"}}))
+    step = {"phase": "decode", "vs_full_forward": {"ok": False}}
+    dec = classify(_result(paths={"serve": {"ok": False, "first_failing_step": 2, "steps": [{}, {}, step]}},
+                           first_failing={"unit": "layers.0", "path": "serve", "step": 2},
+                           culprit={"op": "aten.bmm.default", "module": "layers.0.self_attn"}))
     assert isinstance(dec, DecodeOnly) and dec.step == 2 and dec.key() == "decode_only:matmul"
-    assert classify(_result(divergence={"start": 96, "unit": "layers.5"})) == PositionDivergence(position=96, unit="layers.5")
+    assert classify(_result(long_range={"first_position": 96, "first_unit": "layers.5"})) \
+        == PositionDivergence(position=96, unit="layers.5")
     q = classify(_result(reasons=["perplexity ratio 1.04 > 1.03"]))
     assert isinstance(q, QualityOnly) and q.metric == "ppl"
 

@@ -168,3 +168,30 @@ def test_a_finished_run_keeps_its_target_but_not_its_prepared_weights(tiny_check
     assert ev.result is not None and not ev.target._weights._cache and not ev.target._weights._rounded
     assert ev.target._weights._pinned  # a later forward on this target prepares them again
     assert loop.price([host], ev) == pytest.approx(ev.cost_ms)  # pricing needs no prepared weights
+
+
+def test_a_candidate_that_changes_no_site_is_not_run(tiny_checkpoint, failing_chip, tmp_path):
+    """Once the whole model is upcast, bf16 weights everywhere changes no op's numerics: skipped, no run."""
+    loop = _loop(tiny_checkpoint("llama", seed=3), failing_chip, tmp_path / "out", tmp_path / "pb.json")
+    host = R.Candidate("host_fallback", (R.rule(module="rotary", fallback="host"),), "rotary on the host")
+    up = R.Candidate("upcast_module", (R.rule(activation="fp32"), *R.matmul_rules(
+        None, None, "", a_format="bf16", b_format="bf16", accumulator="fp32", fidelity="hifi4")), "upcast the whole model")
+    weights = R.Candidate("widen_weights", R.matmul_rules(None, None, "", b_format="bf16"), "weights in bf16 everywhere")
+    exact = R.Candidate("exact_transcendental", (R.rule(op="aten.exp", transcendental="exact"),), "exact exp")
+    before = loop.evaluate([host])
+    assert loop.changes_numerics(weights, before)  # bfp4 weights before the upcast
+    current = loop.evaluate([host, up])
+    assert not loop.changes_numerics(weights, current) and loop.changes_numerics(exact, current)
+
+
+def test_a_reverted_candidate_is_retried_once_after_more_remedies_are_kept(tiny_checkpoint, failing_chip, tmp_path):
+    loop = _loop(tiny_checkpoint("llama", seed=3), failing_chip, tmp_path / "out", tmp_path / "pb.json")
+    host = R.Candidate("host_fallback", (R.rule(module="rotary", fallback="host"),), "rotary on the host")
+    hifi4 = R.Candidate("raise_fidelity", (R.rule(matmul={"fidelity": "hifi4"}),), "hifi4")
+    exact = R.Candidate("exact_transcendental", (R.rule(op="aten.exp", transcendental="exact"),), "exact exp")
+    current = loop.evaluate([host, hifi4])
+    loop.state.reverted = [{"candidate": exact.to_dict(), "kept": 2, "retried": False}]
+    assert loop._retry([host, hifi4], current) == []  # nothing kept since it was reverted
+    loop.state.reverted[0]["kept"] = 1
+    assert [c.key for c in loop._retry([host, hifi4], current)] == [exact.key]
+    assert loop._retry([host, hifi4], current) == []  # once

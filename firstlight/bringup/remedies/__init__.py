@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import pkgutil
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -125,9 +126,20 @@ def matmul_rules(scope: str | None, op: str | None, why: str, **matmul: Any) -> 
     return tuple(rule(op=o, matmul=matmul, why=why) for o in ops)
 
 
-def scope_of(sig: Signature) -> str | None:
-    """The module scope a remedy for `sig` covers: the failing module in every layer."""
+def scope_of(sig: Signature, ctx: RemedyContext | None = None) -> str | None:
+    """The module scope a remedy for `sig` covers: the failing module in every layer. A serving-path
+    failure verify could not pin on a unit (the cached K/V, a decode step whose units all pass on the
+    reference's inputs) is scoped to the attention, the modules that read and write the cache."""
     from firstlight.bringup.signatures import module_kind
 
-    module = getattr(sig, "module", "") or getattr(sig, "unit", "")
-    return module_kind(module) if module else None
+    module = getattr(sig, "module", "") or ("" if sig.kind == "decode_only" else getattr(sig, "unit", ""))
+    if module:
+        return module_kind(module)
+    if sig.kind == "decode_only" and ctx is not None:
+        attn = next((module_kind(m) for m in ctx.modules if _ATTENTION.search(m)), None)
+        if attn:
+            return attn
+    return module_kind(sig.unit) if getattr(sig, "unit", "") else None
+
+
+_ATTENTION = re.compile(r"(^|\.)layers\.\d+\.(self_attn|attn|attention)$")

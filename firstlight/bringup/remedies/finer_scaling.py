@@ -20,7 +20,7 @@ def propose(sig, ctx):
     mm = ctx.site(getattr(sig, "module", "") or "", op).matmul
     if "tensor" not in (mm.a_scaling, mm.b_scaling):
         return []
-    return [_variant(scope, BLOCK, sig.describe()) for scope in dict.fromkeys((scope_of(sig), None))]
+    return [_variant(scope, BLOCK, sig.describe()) for scope in dict.fromkeys((scope_of(sig, ctx), None))]
 
 
 def cheaper(c, ctx):
@@ -28,6 +28,6 @@ def cheaper(c, ctx):
     return [_variant(r.module, "block:512", r.why)]
 
 
-register(Remedy("finer_scaling", ("op_class", "quality_only", "accumulation", "unit_composition"), propose,
+register(Remedy("finer_scaling", ("op_class", "quality_only", "accumulation", "unit_composition", "decode_only"), propose,
                 cost="one fp32 scale multiply per 128 of K in the GEMM's epilogue (DeepSeek-V3 ran it on H800 "
                      "with promotion to CUDA cores); ~none in bytes", cheaper=cheaper, primary=("op_class", "quality_only")))

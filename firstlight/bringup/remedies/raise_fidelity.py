@@ -19,7 +19,7 @@ def propose(sig, ctx):
     fid = ctx.site(getattr(sig, "module", "") or "", op).matmul.fidelity
     if fid is None or fid == FIDELITIES[-1]:
         return []
-    scope = scope_of(sig)
+    scope = scope_of(sig, ctx)
     out = [_variant(scope, op, FIDELITIES[-1], sig.describe())] if scope else []
     return out + [_variant(None, None, FIDELITIES[-1], sig.describe())]
 
@@ -30,5 +30,5 @@ def cheaper(c, ctx):
     return [_variant(r.module, r.op, f, r.why) for f in FIDELITIES[:FIDELITIES.index(fid)]]
 
 
-register(Remedy("raise_fidelity", ("accumulation", "op_class", "unit_composition", "quality_only"), propose,
+register(Remedy("raise_fidelity", ("accumulation", "op_class", "unit_composition", "quality_only", "decode_only"), propose,
                 cost="matmul throughput / phases: HiFi2 halves LoFi's rate, HiFi4 quarters it", cheaper=cheaper, primary=("op_class", "quality_only")))

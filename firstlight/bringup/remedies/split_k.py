@@ -8,7 +8,7 @@ def propose(sig, ctx):
     k = getattr(sig, "reduction_len", None)
     if not k or k < 128:
         return []
-    scope = scope_of(sig)
+    scope = scope_of(sig, ctx)
     op = packet(sig.op)
     # each split is a whole number of the chip's MMA depth (its narrow sum is rounded per MMA)
     step = ctx.site(getattr(sig, "module", "") or "", op).matmul.mma_k or 32

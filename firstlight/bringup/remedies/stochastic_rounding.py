@@ -8,7 +8,7 @@ def propose(sig, ctx):
     op = packet(getattr(sig, "op", "") or "aten.mm")
     if ctx.site(getattr(sig, "module", "") or "", op).matmul.rounding == "stochastic":
         return []
-    return [Candidate("stochastic_rounding", (rule(module=scope_of(sig), op=op, matmul={"rounding": "stochastic"},
+    return [Candidate("stochastic_rounding", (rule(module=scope_of(sig, ctx), op=op, matmul={"rounding": "stochastic"},
                                                    why=sig.describe()),), "stochastic rounding of the accumulator",
                       cost_rank=0)]
 

@@ -4,7 +4,7 @@ from firstlight.bringup.remedies import Candidate, Remedy, matmul_rules, registe
 
 
 def propose(sig, ctx):
-    scope = scope_of(sig)
+    scope = scope_of(sig, ctx)
     mm = {"a_format": "bf16", "b_format": "bf16", "accumulator": "fp32", "a_scaling": None, "b_scaling": None,
           "fidelity": "hifi4" if ctx.numerics.matmul.fidelity else None}
     mm = {k: v for k, v in mm.items() if v is not None or k.endswith("scaling")}
@@ -13,5 +13,6 @@ def propose(sig, ctx):
                       f"upcast {s or 'the whole model'}", cost_rank=3) for s in dict.fromkeys((scope, None))]
 
 
-register(Remedy("upcast_module", ("unit_composition", "quality_only", "op_class", "accumulation", "non_finite"),
+register(Remedy("upcast_module", ("unit_composition", "quality_only", "op_class", "accumulation", "non_finite",
+                               "decode_only", "position_divergence"),
                 propose, cost="bf16 weights and fp32 activations in that module: its bytes and FLOPs at the slowest rate"))

@@ -13,8 +13,8 @@ def propose(sig, ctx):
         return []
     return [Candidate("widen_activations", matmul_rules(scope, None, sig.describe(), a_format="bf16", a_scaling=None),
                       "bf16 activations into the matmul" + (f" in {scope}" if scope else " everywhere"), cost_rank=2)
-            for scope in dict.fromkeys((scope_of(sig), None))]
+            for scope in dict.fromkeys((scope_of(sig, ctx), None))]
 
 
-register(Remedy("widen_activations", ("op_class", "unit_composition", "quality_only", "accumulation"), propose,
+register(Remedy("widen_activations", ("op_class", "unit_composition", "quality_only", "accumulation", "decode_only"), propose,
                 cost="the matmul runs at the wider format's rate (fp8 -> bf16 halves peak FLOPs)", primary=("op_class",)))

@@ -26,7 +26,7 @@ def propose(sig, ctx):
     wider = lad[lad.index(fmt) + 1:]
     if not wider or fmt in ("bf16", "fp32"):
         return []
-    scope = scope_of(sig)
+    scope = scope_of(sig, ctx)
     return ([_c(scope, wider[0], sig.describe(), 2)] if scope else []) + [_c(None, wider[0], sig.describe(), 2)]
 
 
@@ -36,5 +36,5 @@ def cheaper(c, ctx):
     return [_c(r.module, f, r.why, 1) for f in lad[:lad.index(r.matmul.b_format)]][::-1]
 
 
-register(Remedy("widen_weights", ("op_class", "unit_composition", "quality_only", "accumulation"), propose,
+register(Remedy("widen_weights", ("op_class", "unit_composition", "quality_only", "accumulation", "decode_only"), propose,
                 cheaper=cheaper, cost="weight bytes read per token grow with the format's bits (decode is bandwidth-bound)", primary=("op_class", "quality_only")))

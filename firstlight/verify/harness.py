@@ -665,7 +665,8 @@ def _path_reason(name: str, rec: dict[str, Any]) -> str:
     k = rec["first_failing_step"]
     if k is None:
         kv = rec["kv_cache"]["first_bad"]
-        return f"{name} path: the K/V the target cached differs from the reference's (layer {kv['layer']}, {kv['part']})"
+        return (f"{name} path: the K/V the target cached differs from the reference's and from its own one-shot "
+                f"prefill (layer {kv['layer']}, {kv['part']})")
     st = rec["steps"][k]
     fb = st.get("first_bad") or {}
     where = f" at row {fb['row']}, position {fb['position']}" if fb else ""

@@ -189,3 +189,12 @@ def test_fault_phase_and_table_options():
         get_target("faulty:kind=table")
     assert unit_phase("decode") == unit_phase("decode_layer:full_attention") == "decode"
     assert unit_phase("prefill") == unit_phase("layer:full_attention") == unit_phase("logits") == "prefill"
+
+
+def test_a_corrupted_cache_write_fails_the_cache_check_against_both_sides(tiny_dirs, references):
+    """K/V scaled as a decode step writes them: off the reference and off the target's own one-shot
+    prefill of the same tokens (which an honest bf16 target's drift is not: test above)."""
+    res = _run(tiny_dirs, references, "llama", Fault("scale", op="aten.index_copy", layer=1, value=1.5, phase="decode"))
+    kv = res.paths["serve"]["kv_cache"]
+    assert not kv["ok"] and kv["first_bad"]["layer"] == 1
+    assert not kv["first_bad"]["vs_reference_ok"] and not kv["first_bad"]["vs_one_shot_prefill"]["ok"]

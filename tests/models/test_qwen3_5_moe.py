@@ -163,3 +163,15 @@ def test_mtp_speculation_keeps_greedy_output(tiny_checkpoint):
     assert _tokens(run_staggered(engine, prompts(6, seed=4), GREEDY)) == plain
     assert engine.spec.stats.num_drafts > 20
     assert engine.kv.num_used_blocks == 0 and engine.kv.num_free_slots == engine.kv.num_slots
+
+
+def test_mtp_without_an_mtp_layer_names_the_field(tmp_path):
+    from firstlight.engine.speculative.mtp import check_has_mtp
+    from firstlight.errors import FirstlightError
+    from firstlight.models.tiny import write_tiny_checkpoint
+
+    model, _ = load_model(write_tiny_checkpoint(tmp_path / "no-mtp", FAMILY, seed=1, mtp_num_hidden_layers=0),
+                          with_tokenizer=False)
+    assert model.mtp is None
+    with pytest.raises(FirstlightError, match=r"mtp_num_hidden_layers = 0 and no mtp\.\* weights were loaded"):
+        check_has_mtp(model)

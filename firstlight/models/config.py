@@ -16,7 +16,7 @@ from firstlight.errors import ModelLoadError, UnknownModelError
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
-LINEAR = "linear_attention"  # Gated DeltaNet (Qwen3-Next): a fixed-size recurrent state, no KV
+LINEAR = "linear_attention"  # Gated DeltaNet (Qwen3-Next, Qwen3.5): a fixed-size recurrent state, no KV
 MAMBA = "mamba"  # Mamba-2 SSM mixer (Granite 4.0-H): a fixed-size recurrent state, no KV
 ATTENTION_TYPES = (FULL, SLIDING)
 STATE_TYPES = (LINEAR, MAMBA)  # layer types that keep a per-request recurrent state instead of KV
@@ -32,10 +32,18 @@ FAMILIES: dict[str, str] = {
     "qwen2_moe": "moe:MoEDecoder",
     "qwen3_moe": "moe:MoEDecoder",
     "qwen3_next": "qwen3_next:Qwen3Next",
+    "qwen3_5_moe": "qwen3_5_moe:Qwen3_5Moe",
     "granitemoehybrid": "granitemoehybrid:GraniteMoeHybrid",
 }
+# Multimodal wrappers whose `text_config` we run (the text model alone): wrapper model_type -> ours
+TEXT_TOWERS = {"gemma3": "gemma3_text", "qwen3_5_moe": "qwen3_5_moe"}
+# model_types a text-only checkpoint of a family is saved under -> ours
+ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe"}
+# Families with Gated DeltaNet layers: the layer types each allows
+HYBRID_LAYER_TYPES = {"qwen3_next": (FULL, SLIDING, LINEAR), "qwen3_5_moe": (FULL, LINEAR)}
+# The config field counting a family's native MTP layers
+MTP_FIELDS = {"qwen3_next": "num_nextn_predict_layers", "qwen3_5_moe": "mtp_num_hidden_layers"}
 ROPE_KINDS = ("default", "llama3", "linear", "yarn", "dynamic")
-
 
 
 @dataclass(frozen=True)
@@ -118,6 +126,9 @@ class LinearAttnConfig:
     k_head_dim: int
     v_head_dim: int
     conv_kernel: int  # causal depthwise conv over q/k/v, its state keeps conv_kernel - 1 columns
+    # in-projection layout: Qwen3-Next's in_proj_qkvz / in_proj_ba, rows grouped per key head (True), or
+    # Qwen3.5's separate in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, each [all heads of q | k | ...]
+    grouped_in_proj: bool = True
 
     def __post_init__(self) -> None:
         if self.num_v_heads % self.num_k_heads:
@@ -212,6 +223,11 @@ class ModelConfig:
     def state_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t in STATE_TYPES)
 
+    @property
+    def mtp_field(self) -> str:
+        """The config.json field that counts the MTP layers (for messages)."""
+        return MTP_FIELDS.get(self.model_type, "num_nextn_predict_layers")
+
     def window(self, layer: int) -> int | None:
         """Sliding-window size of a layer, or None for full attention."""
         return self.sliding_window if self.layer_types[layer] == SLIDING else None
@@ -221,9 +237,10 @@ class ModelConfig:
         if not isinstance(cfg, dict):
             raise ModelLoadError(f"{source}: expected a JSON object, got a {type(cfg).__name__}")
         model_type = cfg.get("model_type")
-        if model_type == "gemma3" and "text_config" in cfg:  # multimodal wrapper: use its text tower
-            cfg = {**cfg["text_config"], "model_type": "gemma3_text"}
-            model_type = "gemma3_text"
+        if model_type in TEXT_TOWERS and isinstance(cfg.get("text_config"), dict):  # multimodal wrapper
+            cfg = _text_config(cfg)
+            model_type = cfg["model_type"]
+        model_type = ALIASES.get(model_type, model_type)
         if model_type not in FAMILIES:
             raise UnknownModelError(
                 f"{source}: model_type '{model_type}' is not supported; supported: {', '.join(sorted(FAMILIES))}"
@@ -236,6 +253,13 @@ class ModelConfig:
             raise ModelLoadError(f"{source}: missing required field {e} for model_type '{model_type}'") from e
         except (TypeError, ValueError, ArithmeticError) as e:
             raise ModelLoadError(f"{source}: invalid value ({e})") from e
+
+
+def _text_config(wrapper: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal wrapper's text model config, as its own family, keeping the token ids set at the top
+    level (load_config puts generation_config.json's eos there)."""
+    outer = {k: wrapper[k] for k in ("eos_token_id", "bos_token_id") if wrapper.get(k) is not None}
+    return {**wrapper["text_config"], **outer, "model_type": TEXT_TOWERS[wrapper["model_type"]]}
 
 
 def _opt_float(value: Any) -> float | None:
@@ -296,7 +320,7 @@ def check_sizes(cfg: ModelConfig) -> None:
         raise ValueError(f"sliding_window = {cfg.sliding_window} is not a plausible size "
                          f"(expected 1 to {MAX_SIZES['max_position_embeddings']})")
     if not 0 <= cfg.num_mtp_layers <= MAX_SIZES["num_layers"]:
-        raise ValueError(f"num_nextn_predict_layers = {cfg.num_mtp_layers} is not a plausible count "
+        raise ValueError(f"{cfg.mtp_field} = {cfg.num_mtp_layers} is not a plausible count "
                          f"(expected 0 to {MAX_SIZES['num_layers']})")
     if cfg.moe is not None:
         _check(cfg.moe, MOE_MAX_SIZES, "moe.", cfg.moe.experts_field)
@@ -362,7 +386,7 @@ def _granite_layer_types(cfg: dict[str, Any], num_layers: int) -> tuple[str, ...
 def _layer_types(model_type: str, cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
     if model_type == "granitemoehybrid":
         return _granite_layer_types(cfg, num_layers)
-    allowed = (FULL, SLIDING, LINEAR) if model_type == "qwen3_next" else (FULL, SLIDING)
+    allowed = HYBRID_LAYER_TYPES.get(model_type, (FULL, SLIDING))
     if cfg.get("layer_types"):
         types = tuple(cfg["layer_types"])
         unknown = sorted({t for t in types if t not in allowed})
@@ -375,7 +399,7 @@ def _layer_types(model_type: str, cfg: dict[str, Any], num_layers: int) -> tuple
             raise ValueError(f"config field 'layer_types' must list {num_layers} layers, got {len(types)}")
         return types
     window = cfg.get("sliding_window")
-    if model_type == "qwen3_next":
+    if model_type in HYBRID_LAYER_TYPES:
         interval = _positive(cfg, "full_attention_interval", 4)
         return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers))
     if model_type == "gemma3_text":
@@ -396,8 +420,9 @@ def _layer_types(model_type: str, cfg: dict[str, Any], num_layers: int) -> tuple
 
 
 def _parse(model_type: str, cfg: dict[str, Any]) -> ModelConfig:
-    if model_type == "qwen3_next":
-        cfg = {"partial_rotary_factor": 0.25, **cfg}  # transformers' default for this family
+    hybrid = model_type in HYBRID_LAYER_TYPES  # Qwen3-Next, Qwen3.5-MoE
+    if hybrid:
+        cfg = {"partial_rotary_factor": 0.25, **cfg}  # transformers' default for these families
     hidden = _int(cfg, "hidden_size")
     num_heads = _int(cfg, "num_attention_heads")
     num_layers = _int(cfg, "num_hidden_layers")
@@ -442,7 +467,10 @@ def _parse(model_type: str, cfg: dict[str, Any]) -> ModelConfig:
         vocab_size=_int(cfg, "vocab_size"),
         hidden_size=hidden,
         # Granite: the always-on shared MLP is the dense MLP; `intermediate_size` sizes its experts
-        intermediate_size=_int(cfg, "shared_intermediate_size", 1024) if granite else _int(cfg, "intermediate_size"),
+        # Qwen3.5-MoE has no dense MLP (every layer is sparse): the always-on shared expert stands in
+        intermediate_size=(_int(cfg, "shared_intermediate_size", 1024) if granite
+                           else _int(cfg, "shared_expert_intermediate_size") if model_type == "qwen3_5_moe"
+                           else _int(cfg, "intermediate_size")),
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
@@ -456,7 +484,7 @@ def _parse(model_type: str, cfg: dict[str, Any]) -> ModelConfig:
         qkv_bias=bool(cfg.get("qkv_bias", True)) if qwen2_like else attention_bias,
         o_bias=False if qwen2_like else attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "qwen3_next"),
+        qk_norm=hybrid or model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
         layer_types=layer_types,
         rope=rope,
         sliding_window=_int(cfg, "sliding_window") if SLIDING in layer_types else None,
@@ -466,9 +494,9 @@ def _parse(model_type: str, cfg: dict[str, Any]) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         moe=_moe(model_type, cfg, num_layers),
-        linear_attn=_linear_attn(cfg) if LINEAR in layer_types else None,
-        attn_output_gate=model_type == "qwen3_next",
-        num_mtp_layers=_int(cfg, "num_nextn_predict_layers", 0) if model_type == "qwen3_next" else 0,
+        linear_attn=_linear_attn(cfg, grouped_in_proj=model_type == "qwen3_next") if LINEAR in layer_types else None,
+        attn_output_gate=hybrid,
+        num_mtp_layers=_int(cfg, MTP_FIELDS[model_type], 0) if model_type in MTP_FIELDS else 0,
         mamba=_mamba(cfg, hidden) if MAMBA in layer_types else None,
         use_rope=cfg.get("position_embedding_type") == "rope" if granite else True,
         embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)) if granite else 1.0,
@@ -502,6 +530,15 @@ def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> MoEConfig | N
             sparse_layers=(True,) * num_layers,
             experts_field="num_local_experts",
         )
+    if model_type == "qwen3_5_moe":  # every layer sparse, top-k always renormalized, a gated shared expert
+        return MoEConfig(
+            num_experts=_int(cfg, "num_experts"),
+            num_experts_per_tok=_int(cfg, "num_experts_per_tok"),
+            intermediate_size=_int(cfg, "moe_intermediate_size"),
+            norm_topk_prob=True,
+            sparse_layers=(True,) * num_layers,
+            shared_expert_intermediate_size=_int(cfg, "shared_expert_intermediate_size"),
+        )
     if model_type not in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
         return None
     # hub checkpoints say num_experts; transformers 5 writes some families back as num_local_experts
@@ -523,13 +560,14 @@ def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> MoEConfig | N
     )
 
 
-def _linear_attn(cfg: dict[str, Any]) -> LinearAttnConfig:
+def _linear_attn(cfg: dict[str, Any], grouped_in_proj: bool) -> LinearAttnConfig:
     return LinearAttnConfig(
         num_k_heads=_positive(cfg, "linear_num_key_heads"),
         num_v_heads=_int(cfg, "linear_num_value_heads"),
         k_head_dim=_int(cfg, "linear_key_head_dim"),
         v_head_dim=_int(cfg, "linear_value_head_dim"),
         conv_kernel=_int(cfg, "linear_conv_kernel_dim", 4),
+        grouped_in_proj=grouped_in_proj,
     )
 
 

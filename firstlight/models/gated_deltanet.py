@@ -1,4 +1,4 @@
-"""Gated DeltaNet: the linear-attention token mixer of Qwen3-Next (Yang, Kautz & Hatamizadeh 2024,
+"""Gated DeltaNet: the linear-attention token mixer of Qwen3-Next and Qwen3.5 (Yang, Kautz & Hatamizadeh 2024,
 "Gated Delta Networks: Improving Mamba2 with Delta Rule", arXiv:2412.06464).
 
 Per value head, a state S [Dk, Dv] replaces the KV cache. For each token (q, k L2-normalized,
@@ -139,9 +139,12 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = la.num_k_heads * la.k_head_dim, la.num_v_heads * la.v_head_dim
         self.ratio = la.num_v_heads // la.num_k_heads  # value heads per key head
         self.conv_kernel = la.conv_kernel
-        # HF layout, grouped per key head: [q (Dk), k (Dk), v (r*Dv), z (r*Dv)] and [b (r), a (r)]
-        self.in_proj_qkvz = nn.Linear(cfg.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * la.num_v_heads, bias=False)
+        self.grouped = la.grouped_in_proj
+        if self.grouped:  # Qwen3-Next, grouped per key head: [q (Dk), k (Dk), v (r*Dv), z (r*Dv)] and [b (r), a (r)]
+            self.in_proj_qkvz = nn.Linear(cfg.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * la.num_v_heads, bias=False)
+        else:  # Qwen3.5: HF's in_proj_{qkv,z,b,a} stacked, one matmul: [q | k | v | z | b | a], each all heads
+            self.in_proj = nn.Linear(cfg.hidden_size, la.conv_dim + self.value_dim + 2 * la.num_v_heads, bias=False)
         self.conv1d = nn.Conv1d(la.conv_dim, la.conv_dim, la.conv_kernel, groups=la.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(la.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(la.num_v_heads))
@@ -151,12 +154,14 @@ class GatedDeltaNet(nn.Module):
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [B, S, E] → mixed q|k|v [B, S, conv_dim], z [B, S, Hv, Dv], b, a [B, S, Hv]."""
         batch, seq, _ = x.shape
-        dk, dv, r = self.k_head_dim, self.v_head_dim, self.ratio
+        dk, dv, r, hv = self.k_head_dim, self.v_head_dim, self.ratio, self.num_v_heads
+        if not self.grouped:
+            mixed, z, b, a = self.in_proj(x).split([2 * self.key_dim + self.value_dim, self.value_dim, hv, hv], dim=-1)
+            return mixed, z.reshape(batch, seq, hv, dv), b, a
         qkvz = self.in_proj_qkvz(x).view(batch, seq, self.num_k_heads, 2 * dk + 2 * r * dv)
         q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
         b, a = self.in_proj_ba(x).view(batch, seq, self.num_k_heads, 2 * r).split([r, r], dim=-1)
         mixed = torch.cat([t.reshape(batch, seq, -1) for t in (q, k, v)], dim=-1)
-        hv = self.num_v_heads
         return mixed, z.reshape(batch, seq, hv, dv), b.reshape(batch, seq, hv), a.reshape(batch, seq, hv)
 
     def _conv(self, mixed: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,6 +6,7 @@
     mlp.{gate,up}_proj.{weight,bias}      →  mlp.gate_up_proj.{weight,bias}
     mlp.shared_expert.{gate,up}_proj      →  mlp.shared_expert.gate_up_proj
     shared_mlp.{input,output}_linear      →  shared_mlp.{gate_up,down}_proj     (Granite; a rename)
+    linear_attn.in_proj_{qkv,z,b,a}       →  linear_attn.in_proj                (Qwen3.5's Gated DeltaNet)
    Everything else keeps its HF name; routed experts are stacked in memory by transformers as by us
    (`mlp.experts.gate_up_proj` [X, 2I, E], `mlp.experts.down_proj` [X, E, I]).
 
@@ -15,6 +16,9 @@
     mixtral:    block_sparse_moe.experts.{i}.{w1,w3,w2}.weight  (gate, up, down), block_sparse_moe.gate
     granitemoehybrid: stacked as in memory, named block_sparse_moe.{input_linear,output_linear}.weight and
                 block_sparse_moe.router.layer.weight (transformers' `granitemoe` WeightRenaming)
+   (Qwen3.5-MoE hub files keep the experts stacked as in memory; both layouts load.)
+   A multimodal wrapper's files hold the text model under `model.language_model.` (transformers'
+   `PrefixChange` for qwen3_5_text) beside its vision tower; `text_model_name` maps them back.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ FUSED = {
     "shared_expert.gate_up_proj": ("shared_expert.gate_proj", "shared_expert.up_proj"),
     "shared_mlp.gate_up_proj": ("shared_mlp.input_linear",),  # one part: a rename
     "shared_mlp.down_proj": ("shared_mlp.output_linear",),
+    "linear_attn.in_proj": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
+                            "linear_attn.in_proj_a"),
 }
 # Tensors some checkpoints carry that are derived at run time, not weights.
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -38,6 +44,21 @@ IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 def _prefix(ours: str) -> str:
     # the LM head and Qwen3-Next's MTP layers sit beside `model.`, not in it
     return "" if ours.startswith(("lm_head", "mtp.")) or ours == "mtp" else "model."
+
+
+WRAPPED_TEXT_MODEL = "model.language_model."
+# The vision tower of each multimodal family whose text model alone we run
+VISION_TOWERS = {"qwen3_5_moe": ("model.visual.",)}
+
+
+def text_model_name(file_name: str, model_type: str) -> str | None:
+    """A checkpoint-file tensor's name in the text model's layout (`model.language_model.X` → `model.X`),
+    or None for a tensor of the family's vision tower, which is not read."""
+    if file_name.startswith(VISION_TOWERS.get(model_type, ())):
+        return None
+    if file_name.startswith(WRAPPED_TEXT_MODEL):
+        return "model." + file_name.removeprefix(WRAPPED_TEXT_MODEL)
+    return file_name
 
 
 def hf_name(ours: str) -> list[str]:
@@ -66,6 +87,7 @@ _EXPERT_FILE_NAMES = {
 }
 _QWEN_EXPERT = ("mlp.experts.{i}.gate_proj", "mlp.experts.{i}.up_proj", "mlp.experts.{i}.down_proj")
 EXPERT_FILE_INDEX = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
+STACKED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(?:gate_up_proj|down_proj)$")  # [X, ...]
 
 
 def expert_file_names(model_type: str) -> tuple[str, str, str]:

@@ -17,8 +17,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from firstlight.errors import ModelLoadError
-from firstlight.models.config import ModelConfig
-from firstlight.models.hf_names import EXPERT_FILE_INDEX, IGNORED, build_state_dict
+from firstlight.models.config import MTP_FIELDS, ModelConfig
+from firstlight.models.hf_names import (
+    EXPERT_FILE_INDEX,
+    IGNORED,
+    STACKED_EXPERTS,
+    build_state_dict,
+    text_model_name,
+)
 from firstlight.models.layers import CausalLM
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -96,11 +102,11 @@ def _inside(ckpt: Path, name: str, index: Path) -> Path:
 
 
 class _Tensors:
-    """Lazy name → tensor view over all safetensors files of a checkpoint."""
+    """Lazy name → tensor view over all safetensors files of a checkpoint, by the text model's names
+    (`text_model_name`: a multimodal wrapper's vision tower left out)."""
 
-    def __init__(self, files: list[Path]) -> None:
-        self.handles: dict[str, Any] = {}
-        self.where: dict[str, Any] = {}
+    def __init__(self, files: list[Path], model_type: str) -> None:
+        self.where: dict[str, Any] = {}  # name → (handle, file, the name in the file)
         for f in files:
             try:
                 handle = safe_open(str(f), framework="pt")
@@ -108,17 +114,23 @@ class _Tensors:
             except (SafetensorError, OSError, ValueError) as e:
                 raise ModelLoadError(f"{f} is not a readable safetensors file ({e}); it may be truncated or corrupt: re-pull/re-download it") from e
             for n in names:
-                self.where[n] = (handle, f)
+                name = text_model_name(n, model_type)
+                if name is not None:
+                    self.where[name] = (handle, f, n)
 
     def names(self) -> set[str]:
         return set(self.where)
 
+    def shape(self, name: str) -> list[int]:
+        handle, _, stored = self.where[name]
+        return list(handle.get_slice(stored).get_shape())
+
     def get(self, name: str) -> torch.Tensor:
-        handle, f = self.where[name]
+        handle, f, stored = self.where[name]
         try:
-            return handle.get_tensor(name)
+            return handle.get_tensor(stored)
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            raise ModelLoadError(f"{f}: tensor {name} cannot be read ({e}); the file may be truncated: re-pull it") from e
+            raise ModelLoadError(f"{f}: tensor {stored} cannot be read ({e}); the file may be truncated: re-pull it") from e
 
 
 def model_class(cfg: ModelConfig) -> type[CausalLM]:
@@ -143,7 +155,7 @@ def load_model(
     ckpt = _checkpoint_dir(path)
     cfg = load_config(ckpt)
     torch_dtype = parse_dtype(dtype)
-    tensors = _Tensors(_weight_files(ckpt))
+    tensors = _Tensors(_weight_files(ckpt), cfg.model_type)
     cfg = _with_mtp_layers(cfg, tensors.names())
     model = build_model(cfg, torch_dtype, device)
     expected = dict(model.state_dict())
@@ -155,7 +167,7 @@ def load_model(
             raise ModelLoadError(f"{ckpt}: tensor {name} is missing from the checkpoint (config: {cfg.model_type}, {cfg.num_layers} layers)")
         return tensors.get(name)
 
-    _check_expert_count(ckpt, cfg, tensors.names())
+    _check_expert_count(ckpt, cfg, tensors)
     num_experts = cfg.moe.num_experts if cfg.moe is not None else 0
     state, used = build_state_dict(list(expected), get_hf, cfg.model_type, num_experts, tensors.where.__contains__)
     for name, tensor in state.items():
@@ -178,22 +190,26 @@ def load_model(
 
 
 def _with_mtp_layers(cfg: ModelConfig, names: set[str]) -> ModelConfig:
-    """Hub Qwen3-Next configs may omit `num_nextn_predict_layers` while the files carry `mtp.layers.i.*`:
-    count them, so the MTP weights load (and checked like every other tensor) instead of being rejected."""
-    if cfg.model_type != "qwen3_next" or cfg.num_mtp_layers:
+    """Hub Qwen3-Next / Qwen3.5 configs may omit the MTP layer count (`num_nextn_predict_layers`,
+    `mtp_num_hidden_layers`) while the files carry `mtp.layers.i.*`: count them, so the MTP weights load
+    (and are checked like every other tensor) instead of being rejected."""
+    if cfg.model_type not in MTP_FIELDS or cfg.num_mtp_layers:
         return cfg
     found = {int(n.split(".")[2]) for n in names if n.startswith("mtp.layers.")}
     return dataclasses.replace(cfg, num_mtp_layers=max(found) + 1) if found else cfg
 
 
-def _check_expert_count(ckpt: Path, cfg: ModelConfig, names: set[str]) -> None:
-    """Per-expert tensors in the files must number exactly what the config says, in every MoE layer."""
+def _check_expert_count(ckpt: Path, cfg: ModelConfig, tensors: _Tensors) -> None:
+    """Experts in the files must number exactly what the config says, in every MoE layer: per-expert
+    tensors counted, stacked ones by their first dim."""
     found: dict[int, int] = {}
-    for n in names:
+    for n in tensors.names():
         m = EXPERT_FILE_INDEX.match(n)
         if m:
             layer, expert = int(m.group(1)), int(m.group(2))
             found[layer] = max(found.get(layer, 0), expert + 1)
+        elif m := STACKED_EXPERTS.match(n):
+            found[int(m.group(1))] = tensors.shape(n)[0]
     if not found:
         return
     if cfg.moe is None:

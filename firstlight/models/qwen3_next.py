@@ -91,7 +91,7 @@ class Qwen3Next(CausalLM):
         """hidden: the final (normed) hidden states [B, S, E] at `positions` [B, S]; next_ids [B, S]:
         the token after each → the MTP layer's normed output [B, S, E] (feed `compute_logits`)."""
         if self.mtp is None:
-            raise ValueError("this checkpoint has no MTP layer (config field 'num_nextn_predict_layers' is 0)")
+            raise ValueError(f"this checkpoint has no MTP layer (config field '{self.config.mtp_field}' is 0)")
         mtp = self.mtp
         cache = NoCache() if cache is None else cache
         e = mtp.pre_fc_norm_embedding(self.embed(next_ids))

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from firstlight.errors import UnknownModelError
-from firstlight.models.config import FAMILIES, FULL, SLIDING
+from firstlight.models.config import FAMILIES, FULL, MTP_FIELDS, SLIDING
 
 _BASE: dict[str, Any] = {
     "vocab_size": 384,
@@ -76,6 +76,17 @@ TINY: dict[str, dict[str, Any]] = {
         "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
     },
+    # Qwen3-Next's pattern with Qwen3.5's flat Gated DeltaNet projections, every layer sparse, interleaved
+    # mrope (sections of the 4 rotary frequencies), one MTP layer; written as the hub's vision-language wrapper
+    "qwen3_5_moe": {
+        "tie_word_embeddings": False, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "mtp_num_hidden_layers": 1,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                            "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+    },
     # hybrid: Mamba-2 layers around one attention layer (NoPE, as Granite 4.0-H), 2 SSM groups, routed
     # experts + a shared MLP, Granite's muP multipliers away from 1, a scan chunk shorter than the prompts
     "granitemoehybrid": {
@@ -89,6 +100,13 @@ TINY: dict[str, dict[str, Any]] = {
     },
 }
 ALIASES = {"gemma3": "gemma3_text"}
+# Families the hub ships as vision-language wrappers: the text model's own model_type, and a one-block
+# vision tower for the wrapper (its weights sit in the files beside the text model's, as on the hub)
+TEXT_MODEL_TYPES = {"qwen3_5_moe": "qwen3_5_moe_text"}
+VISION: dict[str, dict[str, Any]] = {
+    "qwen3_5_moe": {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4,
+                    "num_position_embeddings": 16},
+}
 SPECIAL = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -142,6 +160,21 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             p.copy_(0.2 * torch.randn(p.shape, generator=gen) + p)
 
 
+def _hf_model(cfg: dict[str, Any]) -> torch.nn.Module:
+    """The HF model a tiny checkpoint is saved from: the causal LM, or for a family the hub ships as a
+    vision-language wrapper, the wrapper around it (text model under `model.language_model.`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    family = cfg["model_type"]
+    if family not in VISION:
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=torch.float32)
+    text = {**cfg, "model_type": TEXT_MODEL_TYPES[family]}
+    vision = {**VISION[family], "out_hidden_size": cfg["hidden_size"]}
+    wrapper = AutoConfig.for_model(family, text_config=text, vision_config=vision,
+                                   tie_word_embeddings=cfg["tie_word_embeddings"])
+    return AutoModelForImageTextToText.from_config(wrapper, dtype=torch.float32)
+
+
 @torch.no_grad()
 def _add_mtp_weights(out: Path, cfg: dict[str, Any], seed: int) -> None:
     """transformers has no MTP module: write `mtp.*` as the hub checkpoints lay it out (fc, two pre-fc
@@ -151,8 +184,12 @@ def _add_mtp_weights(out: Path, cfg: dict[str, Any], seed: int) -> None:
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    n = int(cfg["num_nextn_predict_layers"])
-    one = {**cfg, "num_hidden_layers": n, "layer_types": ["full_attention"] * n, "mlp_only_layers": []}
+    family = cfg["model_type"]
+    n = int(cfg[MTP_FIELDS[family]])
+    one = {**cfg, "model_type": TEXT_MODEL_TYPES.get(family, family), "num_hidden_layers": n,
+           "layer_types": ["full_attention"] * n}
+    if "mlp_only_layers" in cfg:
+        one["mlp_only_layers"] = []
     layer_model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**one), dtype=torch.float32)
     _randomize(layer_model, seed + 1)
     gen = torch.Generator().manual_seed(seed + 2)
@@ -171,7 +208,7 @@ def _add_mtp_weights(out: Path, cfg: dict[str, Any], seed: int) -> None:
 
 def write_tiny_checkpoint(out_dir: str | Path, family: str = "llama", seed: int = 0, **overrides: Any) -> Path:
     """Write a random-weight HF checkpoint dir (config, safetensors, tokenizer) and return its path."""
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -180,12 +217,11 @@ def write_tiny_checkpoint(out_dir: str | Path, family: str = "llama", seed: int 
     assert cfg["model_type"] in FAMILIES
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    hf_cfg = AutoConfig.for_model(**cfg)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+    model = _hf_model(cfg)
     _randomize(model, seed)
     model.save_pretrained(out, safe_serialization=True)
-    if cfg.get("num_nextn_predict_layers"):
+    if cfg.get(MTP_FIELDS.get(cfg["model_type"], "")):
         _add_mtp_weights(out, cfg, seed)
     tok = PreTrainedTokenizerFast(
         tokenizer_object=_tokenizer(cfg["vocab_size"]),

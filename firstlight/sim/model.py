@@ -381,7 +381,8 @@ def _attention(cfg: dict[str, Any], where: str, window: int | None) -> tuple[Att
         raise ModelConfigError(
             f"model config {where}: num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv}"
         )
-    gate = num_heads if cfg.get("model_type") in ("qwen3_next", "qwen3_5_moe") else 0  # per-head output gate
+    # per-head output gate (Qwen3.5-MoE's text model: qwen3_5_moe_text inside its multimodal wrapper)
+    gate = num_heads if cfg.get("model_type") in ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text") else 0
     lins = (
         Linear("qkv_proj", hidden, (num_heads + gate + 2 * num_kv) * head_dim),
         Linear("o_proj", num_heads * head_dim, hidden),

@@ -12,7 +12,7 @@ from firstlight.models.generate import generate_tokens
 from firstlight.models.loader import load_model
 from tests.engine.test_engine import prompts, run_staggered
 
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "granitemoehybrid"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "granitemoehybrid"]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 

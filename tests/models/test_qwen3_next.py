@@ -98,18 +98,21 @@ def test_missing_mtp_weight_is_named(tiny_dirs, tmp_path):
 
 
 def test_mtp_matches_a_reimplementation_from_transformers_modules(tiny_dirs):
+    check_mtp_against_transformers_modules(tiny_dirs["qwen3_next"], "qwen3_next")
+
+
+def check_mtp_against_transformers_modules(ckpt, family: str) -> None:
     """transformers has no MTP module (it skips `mtp.*`), so verify has no reference for it. Instead:
-    the MTP layer rebuilt from transformers' own Qwen3-Next modules (a full-attention MoE decoder
+    the MTP layer rebuilt from transformers' own modules of the family (a full-attention MoE decoder
     layer, Gemma-style RMSNorms, a plain fc), with the `mtp.*` weights read from the checkpoint file,
     composed as vLLM's qwen3_next_mtp.py does: norm(layer(fc([norm_e(embed(t+1)), norm_h(hidden_t)])))."""
     from firstlight.models.hf_names import checkpoint_names
     from firstlight.verify.harness import load_reference
 
-    ckpt = tiny_dirs["qwen3_next"]
     ref = load_reference(ckpt)
     model, _ = load_model(ckpt, with_tokenizer=False)
     files = load_file(ckpt / "model.safetensors")
-    cfg = ref.config
+    cfg = ref.config.get_text_config()
     full = cfg.layer_types.index("full_attention")
     assert full == 3 and model.config.moe.sparse_layers[full]  # the MTP layer's kind: full attention, sparse MoE
     layer = type(ref.model.layers[full])(cfg, full).eval()
@@ -118,7 +121,7 @@ def test_mtp_matches_a_reimplementation_from_transformers_modules(tiny_dirs):
     fc = torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
 
     def from_file(hf: str) -> torch.Tensor:  # the in-memory HF tensor, from the hub-layout file
-        names = [hf] if hf in files else checkpoint_names("model." + hf, "qwen3_next", cfg.num_experts)
+        names = [hf] if hf in files else checkpoint_names("model." + hf, family, cfg.num_experts)
         if isinstance(names[0], list):  # per-expert files, stacked
             return torch.stack([torch.cat([files[n.removeprefix("model.")] for n in g]) for g in names])
         return files[names[0].removeprefix("model.")]

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from firstlight.sim.model import ModelConfigError, load_model, model_from_config
@@ -103,6 +105,38 @@ def test_qwen3_next_step_has_a_scan_op_and_no_kv_for_linear_layers():
     assert names.count("linear_attention_scan") == 1 and names.count("attention") == 1
     scan = next(o for o in ops if o.name == "linear_attention_scan")
     assert scan.time_s > 0 and scan.bytes > 0
+
+
+# Qwen3.5-35B-A3B's config.json as the hub ships it: a vision-language wrapper around the text model
+QWEN3_5_MOE = {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+               "text_config": {"model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": 40,
+                               "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+                               "vocab_size": 248320, "num_experts": 256, "num_experts_per_tok": 8,
+                               "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                               "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+                               "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+                               "layer_types": ["linear_attention"] * 3 * 10 + ["full_attention"] * 10,
+                               "mtp_num_hidden_layers": 1, "dtype": "bfloat16",
+                               "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
+                                                   "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                                                   "mrope_interleaved": True}},
+               "vision_config": {"model_type": "qwen3_5_moe_vision", "depth": 27, "hidden_size": 1152}}
+
+
+def test_qwen3_5_moe_is_priced_from_its_text_config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(QWEN3_5_MOE))
+    m = load_model(path)
+    assert m == model_from_config(QWEN3_5_MOE, name=m.name)
+    assert sum(g.num_layers for g in m.groups if g.linear) == 30 and all(g.moe for g in m.groups)
+    # KV only for the 10 full-attention layers: 2 (K, V) x 2 heads x 256 dims x 2 bytes each
+    assert m.kv_bytes_per_token() == 10 * 2 * 2 * 256 * 2
+    assert m.state_bytes_per_seq() == 30 * (32 * 128 * 128 + (2 * 16 * 128 + 32 * 128) * 3) * 4
+    # ~35B total, ~3B active (8 of 256 experts + the shared one); the vision tower is not priced
+    assert 33e9 < m.num_params() < 37e9 and 2.5e9 < m.num_active_params() < 4e9
+    # the attention output gate doubles q_proj: the per-token FLOPs of a full layer see it
+    attn = next(g for g in m.groups if not g.linear)
+    assert attn.attn_linears[0].out_features == (16 + 16 + 2 * 2) * 256
 
 
 def test_unknown_layer_type_is_named():

@@ -14,7 +14,7 @@ from firstlight.verify.harness import VerifyConfig, run_verify
 CFG = VerifyConfig(new_tokens=8, ppl_tokens=0)
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_next", "granitemoehybrid"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_next", "qwen3_5_moe", "granitemoehybrid"])
 def test_eager_matches_reference(tiny_dirs, references, family):
     res = run_verify(tiny_dirs[family], get_target("eager"), "eager", config=CFG, reference=references(family))
     assert res.verdict == "match"
@@ -29,6 +29,11 @@ PLANTED = [
                  "aten.softplus", "layers.2.linear_attn", 2, id="deltanet-decay-qwen3_next"),
     pytest.param("qwen3_next", Fault("noise", op="aten._grouped_mm", layer=0, nth=1, value=0.2),
                  "aten._grouped_mm", "layers.0.mlp.experts", 0, id="experts-down-qwen3_next"),
+    # Qwen3.5-MoE: the flat Gated DeltaNet in-projection (one fused matmul of four HF linears), the shared expert
+    pytest.param("qwen3_5_moe", Fault("noise", op="aten.mm", module="layers.1.linear_attn.in_proj", value=0.2),
+                 "aten.mm", "layers.1.linear_attn.in_proj", 1, id="deltanet-in-proj-qwen3_5_moe"),
+    pytest.param("qwen3_5_moe", Fault("noise", op="aten.mm", module="layers.3.mlp.shared_expert.down_proj", value=0.2),
+                 "aten.mm", "layers.3.mlp.shared_expert.down_proj", 3, id="shared-expert-qwen3_5_moe"),
     # Granite 4.0-H (layers: mamba, mamba, attention, mamba): Mamba-2 step size, experts, shared MLP
     pytest.param("granitemoehybrid", Fault("scale", op="aten.softplus", layer=1, value=1.5),
                  "aten.softplus", "layers.1.mamba", 1, id="mamba-step-granite"),
@@ -146,7 +151,7 @@ def test_sub_layer_units_cover_every_mixer_and_ffn(tiny_dirs):
     from firstlight.models.loader import load_model
     from firstlight.verify import units as U
 
-    for family in ("qwen3_next", "granitemoehybrid"):
+    for family in ("qwen3_next", "qwen3_5_moe", "granitemoehybrid"):
         model, _ = load_model(tiny_dirs[family], torch.float32, with_tokenizer=False)
         pos = torch.arange(6)[None]
         rope, masks = model.rope_tables(pos, torch.float32), model.masks(pos, pos)

@@ -40,18 +40,19 @@ from firstlight.engine.speculative.config import SpecConfig
 from firstlight.engine.speculative.draft_cache import DraftKVPool
 from firstlight.engine.speculative.registry import register
 from firstlight.errors import FirstlightError
+from firstlight.models.config import MTP_FIELDS
 
 
 def check_has_mtp(target: Any) -> None:
     """Raise a FirstlightError a user can act on when the target carries no MTP layer."""
     cfg = target.config
     if getattr(target, "mtp", None) is None:
-        why = (f"its config has num_nextn_predict_layers = {cfg.num_mtp_layers} and no mtp.* weights were loaded"
-               if cfg.model_type == "qwen3_next" else
+        why = (f"its config has {cfg.mtp_field} = {cfg.num_mtp_layers} and no mtp.* weights were loaded"
+               if cfg.model_type in MTP_FIELDS else
                f"model type {cfg.model_type} has no multi-token-prediction layer (num_nextn_predict_layers / mtp.* weights)")
         raise FirstlightError(
             f"--speculative mtp needs a checkpoint with an MTP layer, but {why}; use a checkpoint that ships "
-            "its mtp.* weights (e.g. Qwen3-Next) or another method (--speculative ngram)"
+            "its mtp.* weights (e.g. Qwen3-Next, Qwen3.5-MoE) or another method (--speculative ngram)"
         )
 
 

@@ -40,7 +40,7 @@ def test_engine_greedy_matches_generate_staggered(family_models, family):
     assert engine.kv.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_next", "granitemoehybrid"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_next", "qwen3_5_moe", "granitemoehybrid"])
 def test_engine_preemption_gives_same_tokens(family_models, family):
     model, tok = family_models(family)
     ps = prompts(6, seed=1)

@@ -17,9 +17,12 @@ from firstlight.errors import ModelLoadError, UnknownModelError
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 LINEAR = "linear_attention"  # Gated DeltaNet (Qwen3-Next, Qwen3.5): a fixed-size recurrent state, no KV
-MAMBA = "mamba"  # Mamba-2 SSM mixer (Granite 4.0-H): a fixed-size recurrent state, no KV
+MAMBA = "mamba"  # Mamba-2 SSM mixer (Granite 4.0-H, Nemotron-H): a fixed-size recurrent state, no KV
+MLP = "mlp"  # Nemotron-H: a block that is only an MLP (no token mixer, no cache)
+MOE = "moe"  # Nemotron-H: a block that is only a mixture of experts (no token mixer, no cache)
 ATTENTION_TYPES = (FULL, SLIDING)
 STATE_TYPES = (LINEAR, MAMBA)  # layer types that keep a per-request recurrent state instead of KV
+FFN_TYPES = (MLP, MOE)  # layer types that keep neither K/V nor a state
 
 # model_type -> "module:Class" of its family (firstlight/models/<module>.py)
 FAMILIES: dict[str, str] = {
@@ -34,6 +37,7 @@ FAMILIES: dict[str, str] = {
     "qwen3_next": "qwen3_next:Qwen3Next",
     "qwen3_5_moe": "qwen3_5_moe:Qwen3_5Moe",
     "granitemoehybrid": "granitemoehybrid:GraniteMoeHybrid",
+    "nemotron_h": "nemotron_h:NemotronH",
 }
 # Multimodal wrappers whose `text_config` we run (the text model alone): wrapper model_type -> ours
 TEXT_TOWERS = {"gemma3": "gemma3_text", "qwen3_5_moe": "qwen3_5_moe"}
@@ -106,6 +110,14 @@ class MoEConfig:
     shared_expert_intermediate_size: int = 0  # 0: none; else one always-on expert behind a sigmoid gate
     fp32_routing_weights: bool = False  # Mixtral keeps the top-k weights in fp32; Qwen casts to the model dtype
     experts_field: str = "num_experts"  # the config.json field, for error messages
+    gated_experts: bool = True  # False: each expert is down(act(up(x))) (Nemotron-H, relu2)
+    # DeepSeek-V3 routing (Nemotron-H): sigmoid scores, top-k picked with a per-expert bias among the
+    # top `topk_groups` of `num_groups` expert groups, weights scaled by routed_scaling_factor
+    sigmoid_routing: bool = False
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    latent_size: int | None = None  # experts work in this width, between two projections (Nemotron-H)
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
@@ -114,6 +126,11 @@ class MoEConfig:
             raise ModelLoadError(
                 f"config field 'num_experts_per_tok' ({self.num_experts_per_tok}) must lie in "
                 f"[1, {self.experts_field}={self.num_experts}]; fix config.json"
+            )
+        if self.num_groups < 1 or self.num_experts % self.num_groups or not 1 <= self.topk_groups <= self.num_groups:
+            raise ModelLoadError(
+                f"config fields 'n_group' ({self.num_groups}) and 'topk_group' ({self.topk_groups}): n_group must "
+                f"divide {self.experts_field}={self.num_experts} and topk_group lie in [1, n_group]; fix config.json"
             )
 
 
@@ -144,7 +161,8 @@ class LinearAttnConfig:
 
 @dataclass(frozen=True)
 class Mamba2Config:
-    """Mamba-2 token mixer (Dao & Gu 2024, "Transformers are SSMs", arXiv:2405.21060), as in Granite 4.0-H."""
+    """Mamba-2 token mixer (Dao & Gu 2024, "Transformers are SSMs", arXiv:2405.21060), as in Granite 4.0-H
+    and Nemotron-H."""
 
     num_heads: int
     head_dim: int
@@ -156,6 +174,7 @@ class Mamba2Config:
     proj_bias: bool = False
     time_step_min: float = 0.0  # dt is clamped to [min, max] after softplus
     time_step_max: float = math.inf
+    activation: str = "silu"  # after the conv
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_groups:
@@ -284,6 +303,10 @@ HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads
             "mamba.head_dim": "mamba_d_head", "mamba.num_groups": "mamba_n_groups",
             "mamba.state_size": "mamba_d_state", "mamba.conv_kernel": "mamba_d_conv",
             "mamba.chunk_size": "mamba_chunk_size"}
+# Nemotron-H spells the Mamba-2 sizes as transformers' NemotronHConfig does
+NEMOTRON_HF_NAMES = {**HF_NAMES, "mamba.num_heads": "mamba_num_heads", "mamba.head_dim": "mamba_head_dim",
+                     "mamba.num_groups": "n_groups", "mamba.state_size": "ssm_state_size",
+                     "mamba.conv_kernel": "conv_kernel", "mamba.chunk_size": "chunk_size"}
 
 
 def _int(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
@@ -302,10 +325,11 @@ def _positive(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
     return value
 
 
-def _check(obj: Any, limits: dict[str, int], prefix: str = "", experts_field: str | None = None) -> None:
+def _check(obj: Any, limits: dict[str, int], prefix: str = "", experts_field: str | None = None,
+           names: dict[str, str] = HF_NAMES) -> None:
     for name, limit in limits.items():
         value = getattr(obj, name)
-        key = HF_NAMES.get(prefix + name, name)
+        key = names.get(prefix + name, name)
         if name == "num_experts" and experts_field:
             key = experts_field
         if not 1 <= value <= limit:
@@ -331,7 +355,7 @@ def check_sizes(cfg: ModelConfig) -> None:
     if cfg.linear_attn is not None:
         _check(cfg.linear_attn, LINEAR_ATTN_MAX_SIZES, "linear_attn.")
     if cfg.mamba is not None:
-        _check(cfg.mamba, MAMBA_MAX_SIZES, "mamba.")
+        _check(cfg.mamba, MAMBA_MAX_SIZES, "mamba.", names=NEMOTRON_HF_NAMES if cfg.model_type == "nemotron_h" else HF_NAMES)
 
 
 def _rope(params: dict[str, Any] | None, theta: float, cfg: dict[str, Any]) -> RopeConfig:
@@ -383,6 +407,34 @@ def _granite_layer_types(cfg: dict[str, Any], num_layers: int) -> tuple[str, ...
     return tuple(GRANITE_LAYER_TYPES[t] for t in names)
 
 
+# Nemotron-H: one block per layer, a character of `hybrid_override_pattern` (hub configs) or a word of
+# `layers_block_type` (what transformers 5 writes back; `layer_types` is its alias)
+NEMOTRON_LAYER_TYPES = {"M": MAMBA, "*": FULL, "-": MLP, "E": MOE, "linear_attention": MAMBA, "mamba": MAMBA,
+                        "full_attention": FULL, "attention": FULL, "mlp": MLP, "moe": MOE}
+
+
+def _nemotron_layer_types(cfg: dict[str, Any]) -> tuple[str, ...]:
+    """The block kinds, checked against `num_hidden_layers` when the config has it (transformers 5 drops it)."""
+    key = next((k for k in ("hybrid_override_pattern", "layers_block_type", "layer_types") if cfg.get(k)), None)
+    if key is None:
+        raise ValueError("nemotron_h needs config field 'hybrid_override_pattern' (one of M, *, -, E per layer, "
+                         "e.g. \"M-M*-\") or 'layers_block_type'")
+    kinds = cfg[key]
+    if not isinstance(kinds, str if key == "hybrid_override_pattern" else list):
+        raise ValueError(f"config field '{key}' must be a {'string' if key == 'hybrid_override_pattern' else 'list'}, "
+                         f"got {kinds!r}")
+    unknown = sorted({str(k) for k in kinds if k not in NEMOTRON_LAYER_TYPES})
+    if unknown:
+        allowed = "M (Mamba-2), * (attention), - (MLP), E (MoE)" if key == "hybrid_override_pattern" else \
+            "linear_attention, full_attention, mlp, moe"
+        raise ValueError(f"config field '{key}' has unknown layer kind(s) {unknown} for nemotron_h; allowed: {allowed}")
+    declared = cfg.get("num_hidden_layers")
+    if declared is not None and _int(cfg, "num_hidden_layers") != len(kinds):
+        raise ValueError(f"config field '{key}' lists {len(kinds)} layers but num_hidden_layers is {declared}; "
+                         "they must agree")
+    return tuple(NEMOTRON_LAYER_TYPES[k] for k in kinds)
+
+
 def _layer_types(model_type: str, cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
     if model_type == "granitemoehybrid":
         return _granite_layer_types(cfg, num_layers)
@@ -425,14 +477,16 @@ def _parse(model_type: str, cfg: dict[str, Any]) -> ModelConfig:
         cfg = {"partial_rotary_factor": 0.25, **cfg}  # transformers' default for these families
     hidden = _int(cfg, "hidden_size")
     num_heads = _int(cfg, "num_attention_heads")
-    num_layers = _int(cfg, "num_hidden_layers")
+    nemotron = model_type == "nemotron_h"
+    nemotron_types = _nemotron_layer_types(cfg) if nemotron else ()
+    num_layers = len(nemotron_types) if nemotron else _int(cfg, "num_hidden_layers")
     if num_heads < 1 or num_layers < 1:
         raise ValueError(f"num_attention_heads = {num_heads} and num_hidden_layers = {num_layers} must be >= 1")
     num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
     head_dim = int(cfg.get("head_dim") or hidden // num_heads)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
-    layer_types = _layer_types(model_type, cfg, num_layers)
+    layer_types = nemotron_types or _layer_types(model_type, cfg, num_layers)
     gemma = model_type == "gemma3_text"
     granite = model_type == "granitemoehybrid"
 
@@ -476,13 +530,15 @@ def _parse(model_type: str, cfg: dict[str, Any]) -> ModelConfig:
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         max_position_embeddings=max_pos,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-        # Qwen2(-MoE) has q/k/v biases (always / per qkv_bias) and never an o bias; the others follow
-        # attention_bias.
-        qkv_bias=bool(cfg.get("qkv_bias", True)) if qwen2_like else attention_bias,
-        o_bias=False if qwen2_like else attention_bias,
+        rms_norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5) if nemotron else cfg.get("rms_norm_eps", 1e-6)),
+        hidden_act=str(cfg.get("mlp_hidden_act", "relu2") if nemotron
+                       else cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"),
+        # Nemotron-H never ties its head (transformers' NemotronHForCausalLM has no tied weights)
+        tie_word_embeddings=False if nemotron else bool(cfg.get("tie_word_embeddings", gemma)),
+        # Qwen2(-MoE) has q/k/v biases (always / per qkv_bias) and never an o bias; Nemotron-H's attention
+        # has none whatever attention_bias says; the others follow attention_bias.
+        qkv_bias=bool(cfg.get("qkv_bias", True)) if qwen2_like else attention_bias and not nemotron,
+        o_bias=False if qwen2_like else attention_bias and not nemotron,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         qk_norm=hybrid or model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
         layer_types=layer_types,
@@ -493,12 +549,13 @@ def _parse(model_type: str, cfg: dict[str, Any]) -> ModelConfig:
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
-        moe=_moe(model_type, cfg, num_layers),
+        moe=_nemotron_moe(cfg, layer_types) if nemotron else _moe(model_type, cfg, num_layers),
         linear_attn=_linear_attn(cfg, grouped_in_proj=model_type == "qwen3_next") if LINEAR in layer_types else None,
         attn_output_gate=hybrid,
         num_mtp_layers=_int(cfg, MTP_FIELDS[model_type], 0) if model_type in MTP_FIELDS else 0,
-        mamba=_mamba(cfg, hidden) if MAMBA in layer_types else None,
-        use_rope=cfg.get("position_embedding_type") == "rope" if granite else True,
+        mamba=(_nemotron_mamba(cfg) if nemotron else _mamba(cfg, hidden)) if MAMBA in layer_types else None,
+        # Granite 4.0-H per position_embedding_type; Nemotron-H's attention never takes rope
+        use_rope=cfg.get("position_embedding_type") == "rope" if granite else not nemotron,
         embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)) if granite else 1.0,
         residual_multiplier=float(cfg.get("residual_multiplier", 1.0)) if granite else 1.0,
         logits_scaling=float(cfg.get("logits_scaling", 1.0)) if granite else 1.0,
@@ -605,4 +662,52 @@ def _mamba(cfg: dict[str, Any], hidden: int) -> Mamba2Config:
         proj_bias=bool(cfg.get("mamba_proj_bias", False)),
         time_step_min=_limit(limit[0], "min"),
         time_step_max=_limit(limit[1], "max"),
+        activation=str(cfg.get("hidden_act") or "silu"),
+    )
+
+
+def _nemotron_mamba(cfg: dict[str, Any]) -> Mamba2Config:
+    """Nemotron-H's Mamba-2 sizes (transformers' NemotronHConfig names and defaults, the legacy mamba_*
+    spellings it also reads). Width is mamba_num_heads x mamba_head_dim (`expand` is not used). dt is
+    clamped from below at time_step_min, as transformers' mixer does (`time_step_limit` is not read)."""
+    def get(key: str, legacy: str, default: int) -> int:
+        return _int(cfg, key if key in cfg else legacy, default)
+
+    num_heads = _positive(cfg, "mamba_num_heads", 128)
+    groups = get("n_groups", "mamba_n_groups", 8)
+    if groups < 1 or num_heads % groups:
+        raise ValueError(f"config field 'mamba_num_heads' ({num_heads}) must be a multiple of 'n_groups' ({groups})")
+    return Mamba2Config(
+        num_heads=num_heads,
+        head_dim=_int(cfg, "mamba_head_dim", 64),
+        num_groups=groups,
+        state_size=_int(cfg, "ssm_state_size", 128),
+        conv_kernel=get("conv_kernel", "mamba_d_conv", 4),
+        chunk_size=get("chunk_size", "mamba_chunk_size", 128),
+        conv_bias=bool(cfg.get("use_conv_bias", cfg.get("mamba_conv_bias", True))),
+        proj_bias=bool(cfg.get("use_bias", False)),
+        time_step_min=_limit(cfg.get("time_step_min", cfg.get("mamba_dt_min", 0.001)), "min"),
+        activation=str(cfg.get("mamba_hidden_act", "silu")),
+    )
+
+
+def _nemotron_moe(cfg: dict[str, Any], layer_types: tuple[str, ...]) -> MoEConfig | None:
+    """The `E` blocks: DeepSeek-V3 routing over ungated experts, plus one always-on shared MLP."""
+    if MOE not in layer_types:
+        return None
+    return MoEConfig(
+        num_experts=_int(cfg, "n_routed_experts", 8),
+        num_experts_per_tok=_int(cfg, "num_experts_per_tok", 2),
+        intermediate_size=_int(cfg, "moe_intermediate_size", 7688),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        sparse_layers=tuple(t == MOE for t in layer_types),
+        shared_expert_intermediate_size=_int(cfg, "moe_shared_expert_intermediate_size", 7688),
+        fp32_routing_weights=True,
+        experts_field="n_routed_experts",
+        gated_experts=False,
+        sigmoid_routing=True,
+        num_groups=_int(cfg, "n_group", 1),
+        topk_groups=_int(cfg, "topk_group", 1),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        latent_size=None if cfg.get("moe_latent_size") is None else _positive(cfg, "moe_latent_size"),
     )

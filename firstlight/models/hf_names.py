@@ -7,7 +7,9 @@
     mlp.shared_expert.{gate,up}_proj      →  mlp.shared_expert.gate_up_proj
     shared_mlp.{input,output}_linear      →  shared_mlp.{gate_up,down}_proj     (Granite; a rename)
     linear_attn.in_proj_{qkv,z,b,a}       →  linear_attn.in_proj                (Qwen3.5's Gated DeltaNet)
-   Everything else keeps its HF name; routed experts are stacked in memory by transformers as by us
+    mixer.{q,k,v}_proj                    →  mixer.qkv_proj                     (Nemotron-H's attention)
+   A family may name the embedding and the final norm otherwise (`model_type`): Nemotron-H's are
+   `embeddings` and `norm_f` (ours: `embed_tokens`, `norm`). Everything else keeps its HF name; routed experts are stacked in memory by transformers as by us
    (`mlp.experts.gate_up_proj` [X, 2I, E], `mlp.experts.down_proj` [X, E, I]).
 
 2. In-memory ↔ checkpoint-file names (`checkpoint_names`): transformers 5 converts at load time, and
@@ -16,6 +18,8 @@
     mixtral:    block_sparse_moe.experts.{i}.{w1,w3,w2}.weight  (gate, up, down), block_sparse_moe.gate
     granitemoehybrid: stacked as in memory, named block_sparse_moe.{input_linear,output_linear}.weight and
                 block_sparse_moe.router.layer.weight (transformers' `granitemoe` WeightRenaming)
+    nemotron_h: `backbone.` for `model.`, ungated experts mixer.experts.{i}.{up,down}_proj.weight
+                (transformers' `nemotron_h` WeightRenaming and MergeModulelist)
    (Qwen3.5-MoE hub files keep the experts stacked as in memory; both layouts load.)
    A multimodal wrapper's files hold the text model under `model.language_model.` (transformers'
    `PrefixChange` for qwen3_5_text) beside its vision tower; `text_model_name` maps them back.
@@ -36,7 +40,10 @@ FUSED = {
     "shared_mlp.down_proj": ("shared_mlp.output_linear",),
     "linear_attn.in_proj": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
                             "linear_attn.in_proj_a"),
+    "mixer.qkv_proj": ("mixer.q_proj", "mixer.k_proj", "mixer.v_proj"),
 }
+# model_type -> {our top-level module: its HF name}
+TOP_RENAMES = {"nemotron_h": {"embed_tokens": "embeddings", "norm": "norm_f"}}
 # Tensors some checkpoints carry that are derived at run time, not weights.
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
@@ -61,8 +68,14 @@ def text_model_name(file_name: str, model_type: str) -> str | None:
     return file_name
 
 
-def hf_name(ours: str) -> list[str]:
+def _renamed(ours: str, model_type: str) -> str:
+    head, dot, rest = ours.partition(".")
+    return TOP_RENAMES.get(model_type, {}).get(head, head) + dot + rest
+
+
+def hf_name(ours: str, model_type: str = "") -> list[str]:
     """The HF tensor names that make up one of our tensors (several for a fused one)."""
+    ours = _renamed(ours, model_type)
     prefix = _prefix(ours)
     for fused, parts in FUSED.items():
         marker = f".{fused}."
@@ -72,8 +85,9 @@ def hf_name(ours: str) -> list[str]:
     return [prefix + ours]
 
 
-def hf_module_name(ours: str) -> str:
+def hf_module_name(ours: str, model_type: str = "") -> str:
     """HF module path for one of our module paths (fused modules map to their first part)."""
+    ours = _renamed(ours, model_type)
     prefix = _prefix(ours)
     for fused, parts in FUSED.items():
         if ours.endswith("." + fused):  # the dot: `shared_mlp.gate_up_proj` is not `mlp.gate_up_proj`
@@ -86,7 +100,7 @@ _EXPERT_FILE_NAMES = {
     "mixtral": ("block_sparse_moe.experts.{i}.w1", "block_sparse_moe.experts.{i}.w3", "block_sparse_moe.experts.{i}.w2"),
 }
 _QWEN_EXPERT = ("mlp.experts.{i}.gate_proj", "mlp.experts.{i}.up_proj", "mlp.experts.{i}.down_proj")
-EXPERT_FILE_INDEX = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
+EXPERT_FILE_INDEX = re.compile(r"^(?:model|backbone)\.layers\.(\d+)\.(?:mlp|block_sparse_moe|mixer)\.experts\.(\d+)\.")
 STACKED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(?:gate_up_proj|down_proj)$")  # [X, ...]
 
 
@@ -113,6 +127,8 @@ _FILE_RENAMES = {
 def checkpoint_names(hf: str, model_type: str, num_experts: int) -> list[str] | list[list[str]]:
     """The checkpoint-file tensors an in-memory HF tensor is built from: for stacked experts a list
     per expert (stacked on a new dim 0) of parts concatenated on dim 0; else the one file name."""
+    if model_type == "nemotron_h":
+        return _nemotron_h_file_names(hf, num_experts)
     for memory, file in _FILE_RENAMES.get(model_type, {}).items():
         if hf.endswith("." + memory):
             return [hf[: -len(memory)] + file]
@@ -128,6 +144,14 @@ def checkpoint_names(hf: str, model_type: str, num_experts: int) -> list[str] | 
     return [hf]
 
 
+def _nemotron_h_file_names(hf: str, num_experts: int) -> list[str] | list[list[str]]:
+    file = "backbone." + hf.removeprefix("model.") if hf.startswith("model.") else hf
+    head, sep, tail = file.partition(".mixer.experts.")
+    if sep and tail in ("up_proj", "down_proj"):  # one tensor per expert: [[name] for each expert]
+        return [[f"{head}.mixer.experts.{i}.{tail}.weight"] for i in range(num_experts)]
+    return [file]
+
+
 def build_state_dict(
     our_names: list[str],
     get_hf: Callable[[str], torch.Tensor],
@@ -141,7 +165,7 @@ def build_state_dict(
     out, used = {}, set()
     for name in our_names:
         parts = []
-        for hf in hf_name(name):
+        for hf in hf_name(name, model_type):
             names = [hf] if has(hf) else checkpoint_names(hf, model_type, num_experts)
             if isinstance(names[0], list):  # per-expert files: [X, ...]
                 used.update(n for group in names for n in group)

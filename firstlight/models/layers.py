@@ -19,6 +19,7 @@ ACTIVATIONS = {
     "silu": F.silu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
+    "relu2": lambda x: F.relu(x).square(),  # squared ReLU (So et al. 2021, "Primer"), Nemotron-H's MLPs
 }
 
 
@@ -288,7 +289,8 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # Kept in fp32 outside the module's buffers, so casting the model to bf16 leaves them exact.
-        attn_types = sorted(set(cfg.layer_types) & {"full_attention", "sliding_attention"})
+        # (a model without attention layers still gets the full-attention entry its recurrent layers alias)
+        attn_types = sorted(set(cfg.layer_types) & {"full_attention", "sliding_attention"}) or ["full_attention"]
         self.inv_freq = {t: rope_inv_freq(cfg.rope[t], cfg.head_dim) for t in attn_types}
         self.rotary = RotaryTables(cfg, self.inv_freq)
 

@@ -1,6 +1,6 @@
-"""Mamba-2: the selective state-space token mixer of Granite 4.0-H (Dao & Gu 2024, "Transformers are
-SSMs: Generalized Models and Efficient Algorithms Through Structured State Space Duality",
-arXiv:2405.21060).
+"""Mamba-2: the selective state-space token mixer of Granite 4.0-H and Nemotron-H (Dao & Gu 2024,
+"Transformers are SSMs: Generalized Models and Efficient Algorithms Through Structured State Space
+Duality", arXiv:2405.21060).
 
 Per head h (P = head_dim channels, N = state_size), a state S [P, N] replaces the KV cache. For each
 token, with step dt > 0 (softplus of a projection, clamped to time_step_limit), scalar A_h < 0, and
@@ -119,7 +119,7 @@ class Mamba2Mixer(nn.Module):
         )
         self.intermediate, self.conv_dim, self.conv_kernel = m.intermediate_size, m.conv_dim, m.conv_kernel
         self.dt_min, self.dt_max = m.time_step_min, m.time_step_max
-        self.act = ACTIVATIONS[cfg.hidden_act]  # the conv's activation is the model's (silu)
+        self.act = ACTIVATIONS[m.activation]  # after the conv (silu)
         self.in_proj = nn.Linear(cfg.hidden_size, self.intermediate + self.conv_dim + self.num_heads, bias=m.proj_bias)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, m.conv_kernel, groups=self.conv_dim, bias=m.conv_bias)
         self.dt_bias = nn.Parameter(torch.ones(self.num_heads))

@@ -98,6 +98,19 @@ TINY: dict[str, dict[str, Any]] = {
         "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2,
         "logits_scaling": 2.0,
     },
+    # hybrid: one module per layer in a Nemotron-H-like pattern (Mamba-2, relu2 MLP, NoPE attention, MoE),
+    # 2 SSM groups, Mamba projection biases, DeepSeek-V3 routing over 2 expert groups with a scaling
+    # factor and a random correction bias (drawn in `_randomize`), a scan chunk shorter than the prompts.
+    # dt biases as trained (`_draw_dt_bias`) with time_step_min ~0: transformers clamps dt at time_step_min
+    # in prefill but not in decode, so a clamp that bites makes its own generate disagree with its forward
+    # (test_nemotron_h.py checks the clamp on its own)
+    "nemotron_h": {
+        "tie_word_embeddings": False, "num_hidden_layers": 7, "hybrid_override_pattern": "M-M*-EM",
+        "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16, "conv_kernel": 4,
+        "chunk_size": 8, "use_bias": True, "layer_norm_epsilon": 1e-5, "time_step_min": 1e-9,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "moe_shared_expert_intermediate_size": 48, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
+    },
 }
 ALIASES = {"gemma3": "gemma3_text"}
 # Families the hub ships as vision-language wrappers: the text model's own model_type, and a one-block
@@ -158,6 +171,20 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             p.copy_(0.1 * torch.randn(p.shape, generator=gen))
         else:  # norm weights: around 1 for Llama-style, around 0 for Gemma's (1 + w)
             p.copy_(0.2 * torch.randn(p.shape, generator=gen) + p)
+    for name, b in sorted(model.named_buffers()):
+        if name.endswith("e_score_correction_bias"):  # DeepSeek-V3 routing's load-balancing bias (zeros at init)
+            b.copy_(0.1 * torch.randn(b.shape, generator=gen))
+
+
+@torch.no_grad()
+def _draw_dt_bias(model: torch.nn.Module, seed: int) -> None:
+    """Mamba-2 dt biases as trained models have them (the Mamba-2 init: softplus(dt_bias) log-uniform in
+    [1e-3, 0.1]), slow and fast heads, where transformers' Nemotron-H init leaves every one at 1."""
+    gen = torch.Generator().manual_seed(seed + 3)
+    for name, p in sorted(model.named_parameters()):
+        if name.endswith("dt_bias"):
+            dt = torch.exp(torch.rand(p.shape, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+            p.copy_(dt + torch.log(-torch.expm1(-dt)))  # the inverse of softplus
 
 
 def _hf_model(cfg: dict[str, Any]) -> torch.nn.Module:
@@ -220,6 +247,8 @@ def write_tiny_checkpoint(out_dir: str | Path, family: str = "llama", seed: int 
     torch.manual_seed(seed)
     model = _hf_model(cfg)
     _randomize(model, seed)
+    if cfg["model_type"] == "nemotron_h":
+        _draw_dt_bias(model, seed)
     model.save_pretrained(out, safe_serialization=True)
     if cfg.get(MTP_FIELDS.get(cfg["model_type"], "")):
         _add_mtp_weights(out, cfg, seed)

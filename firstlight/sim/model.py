@@ -468,16 +468,18 @@ def _mamba2(cfg: dict[str, Any], where: str) -> tuple[AttentionDesc, tuple[Linea
     )
     # dt_bias, A_log, D per head; the gated RMSNorm over I; the conv bias; projection biases if any
     extra = 3 * mb.num_heads + i + (conv if _first(cfg, "mamba_conv_bias", "use_conv_bias", default=True) else 0)
-    if cfg.get("mamba_proj_bias"):
-        extra += in_out + hidden
+    if cfg.get("mamba_proj_bias") or (cfg.get("model_type") == "nemotron_h" and cfg.get("use_bias")):
+        extra += in_out + hidden  # Nemotron-H's in/out projections follow use_bias (transformers)
     att = AttentionDesc(mb.num_heads, mb.num_heads, 0, 0, 0, None)  # no KV, no (query, key) pairs
     return att, lins, mb, extra
 
 
 # Nemotron-H: one block per layer, named by a character of hybrid_override_pattern (or a word of
-# layers_block_type): a Mamba-2 mixer, attention, a dense MLP or an MoE, each behind one RMSNorm
+# layers_block_type): a Mamba-2 mixer, attention, a dense MLP or an MoE, each behind one RMSNorm.
+# transformers 5 writes the list back as linear_attention / full_attention / mlp / moe.
 _NEMOTRON_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe", "mamba": "mamba",
-                   "attention": "attention", "mlp": "mlp", "moe": "moe"}
+                   "attention": "attention", "mlp": "mlp", "moe": "moe", "linear_attention": "mamba",
+                   "full_attention": "attention"}
 
 
 def _nemotron_h_groups(cfg: dict[str, Any], num_layers: int, where: str) -> list[LayerGroup]:
@@ -570,6 +572,8 @@ def model_from_config(cfg: dict[str, Any], name: str = "", where: str = "<config
     if isinstance(cfg.get("text_config"), dict):
         cfg = {**cfg["text_config"], "torch_dtype": cfg.get("torch_dtype", cfg["text_config"].get("torch_dtype"))}
     hidden = int(_req(cfg, "hidden_size", where))
+    if cfg.get("model_type") == "nemotron_h" and cfg.get("num_hidden_layers") is None and cfg.get("layers_block_type"):
+        cfg = {**cfg, "num_hidden_layers": len(cfg["layers_block_type"])}  # transformers 5 drops it
     num_layers = int(_req(cfg, "num_hidden_layers", where))
     vocab = int(_req(cfg, "vocab_size", where))
     for key in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"):

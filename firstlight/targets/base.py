@@ -17,7 +17,8 @@ model), `embed`, `layer:<type>`, `head`, and, for targets without hooks, `attn:<
 (a layer's attention and MLP on their own, so they are compared inside the layer too; `attn:<type>`
 is the layer's token mixer whatever it is, attention or, for a recurrent layer type, Gated DeltaNet
 or Mamba-2, which ignore the tables; a layer without `mlp` has `block_sparse_moe` and
-`shared_mlp` units instead, Granite 4.0-H).
+`shared_mlp` units instead, Granite 4.0-H; a Nemotron-H MLP or MoE block has one FFN unit,
+`mixer:mlp` or `mixer:moe`, and no `attn:<type>`).
 
 A compiled unit must be deterministic: called twice with the same input bits it returns the same
 output bits. The harness relies on it to skip re-running a layer in isolation when its propagated

@@ -20,6 +20,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +125,8 @@ def reference_params(unit: U.Unit, reference: nn.Module) -> dict[str, torch.Tens
     for name in unit.param_names:
         module, _, leaf = name.rpartition(".")
         ours = ".".join(p for p in (unit.model_path(module), leaf) if p)
-        parts = [n if n in hf_state else "model.embed_tokens.weight" for n in hf_name(ours)]  # tied lm_head
+        parts = [n if n in hf_state else "model.embed_tokens.weight"  # tied lm_head
+                 for n in hf_name(ours, reference.config.model_type)]
         tensors = [hf_state[n].float() for n in parts]
         out[name] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
     return out
@@ -179,12 +181,13 @@ def _reference_forward(ref: nn.Module, tokens: list[int], num_layers: int, mid: 
     from transformers import DynamicCache
 
     store: dict[str, torch.Tensor] = {}
+    resolve = partial(hf_module_name, model_type=ref.config.model_type)
     if is_hybrid(ref.config):  # recurrent layers need HF's own hybrid cache; the serving paths skip these models
-        with U.capture(ref, store, hf_module_name, layers=num_layers, mid_norm=mid, sub_inputs=sub_inputs):
+        with U.capture(ref, store, resolve, layers=num_layers, mid_norm=mid, sub_inputs=sub_inputs):
             store["logits"] = ref(torch.tensor([tokens]), use_cache=False).logits.detach().float()
         return store
     cache = DynamicCache()  # no config: every layer keeps every key (the serving paths read them all)
-    with U.capture(ref, store, hf_module_name, layers=num_layers, mid_norm=mid, sub_inputs=sub_inputs):
+    with U.capture(ref, store, resolve, layers=num_layers, mid_norm=mid, sub_inputs=sub_inputs):
         store["logits"] = ref(torch.tensor([tokens]), cache=cache, use_cache=True).logits.detach().float()
     for i, layer in enumerate(cache.layers[:num_layers]):  # K after norm and rotary, V: [1, Hkv, S, D]
         store[f"kv.{i}.k"], store[f"kv.{i}.v"] = layer.keys.detach().float(), layer.values.detach().float()
@@ -320,7 +323,8 @@ def run_verify(
         head_fn = comp.compile(U.head_unit(tmodel), (x0,))
         # Compiled units hide the inside of a layer: its mixer and FFN modules get units of their own.
         sub_fns = None if target.supports_hooks else [
-            (comp.compile(U.attention_unit(tmodel, i), (x0, *r_tab.inputs(tmodel.layers[i].layer_type))),
+            (comp.compile(U.attention_unit(tmodel, i), (x0, *r_tab.inputs(tmodel.layers[i].layer_type)))
+             if U.mixer_sub(tmodel.layers[i]) else None,  # a Nemotron-H MLP or MoE block has no token mixer
              {f: comp.compile(U.mlp_unit(tmodel, i, f), (x0,)) for f in U.ffn_subs(tmodel.layers[i])})
             for i in range(num_layers)]
 
@@ -473,7 +477,8 @@ def _isolate(tmodel: nn.Module, embed_fn: Callable[..., Any], seq: torch.Tensor,
         for i, fn in enumerate(layer_fns):
             x_in = (ref_caps["embed"] if i == 0 else ref_caps[f"layers.{i - 1}"]).to(dtype)
             p_in = embed if i == 0 else prop.get(f"layers.{i - 1}")
-            sub = (*U.layer_subs(tmodel.layers[i]), "resid_mid") if mid is not None else ()
+            layer = tmodel.layers[i]
+            sub = (*U.layer_subs(layer), *(("resid_mid",) if U.has_resid_mid(layer) else ())) if mid is not None else ()
             names = [f"layers.{i}", *(f"layers.{i}.{s}" for s in sub)]
             t = tmodel.layers[i].layer_type
             if (p_in is not None and same_tables[t] and all(k in prop for k in names)
@@ -496,15 +501,16 @@ def _isolate(tmodel: nn.Module, embed_fn: Callable[..., Any], seq: torch.Tensor,
 
 
 def _isolate_sub_layers(tmodel: nn.Module,
-                        sub_fns: list[tuple[Callable[..., Any], dict[str, Callable[..., Any]]]],
+                        sub_fns: list[tuple[Callable[..., Any] | None, dict[str, Callable[..., Any]]]],
                         ref_caps: dict[str, torch.Tensor], iso: dict[str, torch.Tensor], r_tab: Tables,
                         dtype: torch.dtype) -> None:
     """Mixer and FFN units of every layer on the reference's input to that module → `iso`."""
     for i, (attn_fn, ffn_fns) in enumerate(sub_fns):
         t = tmodel.layers[i].layer_type
         mixer = U.mixer_sub(tmodel.layers[i])
-        h = ref_caps[f"layers.{i}.{mixer}.input"].to(dtype)
-        iso[f"layers.{i}.{mixer}"] = attn_fn(h, *r_tab.inputs(t)).float()
+        if attn_fn is not None:
+            h = ref_caps[f"layers.{i}.{mixer}.input"].to(dtype)
+            iso[f"layers.{i}.{mixer}"] = attn_fn(h, *r_tab.inputs(t)).float()
         for f, fn in ffn_fns.items():
             iso[f"layers.{i}.{f}"] = fn(ref_caps[f"layers.{i}.{f}.input"].to(dtype)).float()
 

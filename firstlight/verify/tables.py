@@ -169,10 +169,14 @@ def compare_scales(tmodel: nn.Module, ref: nn.Module) -> dict[str, Any]:
     """Each attention's softmax scale, ours (as the target prepared the model) against HF's `scaling`."""
     worst, first_bad = 0.0, None
     for i, layer in enumerate(tmodel.layers):
-        if getattr(ref.model.layers[i], "self_attn", None) is None:  # a recurrent layer (HF Granite: None): no scale
+        # attention is `self_attn`, or a Nemotron-H block's `mixer`; a recurrent layer (HF Granite: None) or
+        # an MLP block has no scale
+        ref_attn = getattr(ref.model.layers[i], "self_attn", None) or getattr(ref.model.layers[i], "mixer", None)
+        if not hasattr(ref_attn, "scaling"):
             continue
-        ours = float(getattr(getattr(layer, "self_attn", None), "scale", math.nan))
-        theirs = float(getattr(ref.model.layers[i].self_attn, "scaling", math.nan))
+        ours_attn = getattr(layer, "self_attn", None) or getattr(layer, "mixer", None)
+        ours = float(getattr(ours_attn, "scale", math.nan))
+        theirs = float(ref_attn.scaling)
         err = abs(ours - theirs) / abs(theirs) if theirs else abs(ours - theirs)
         worst = max(worst, err) if math.isfinite(err) else math.inf
         if (not math.isfinite(err) or err > 1e-6) and first_bad is None:

@@ -17,6 +17,8 @@ named after the module on both sides (same names in ours and HF's):
             layers.i.block_sparse_moe, layers.i.shared_mlp   (Granite: routed experts and the
             ungated shared MLP side by side, each a boundary; their sum times the residual
             multiplier is the layer's update, so neither alone is an `mlp`)
+    either  layers.i.mixer     (Nemotron-H: a layer is one module, a token mixer (Mamba-2,
+            attention) or an FFN (MLP, MoE) by its kind; no `resid_mid`, no second module)
 
 A unit is embed (ids → x), layers.i ((x, cos, sin, mask) → x) or head (x → (norm, logits)); its
 parameters are trailing inputs (see firstlight/targets/base.py). Targets whose compiled units hide
@@ -39,7 +41,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from firstlight.models.config import MLP, MOE
 from firstlight.models.kv_cache import NoCache
+from firstlight.models.layers import Attention
 from firstlight.targets.base import unit_phase
 
 
@@ -49,15 +53,27 @@ def mid_norm_name(layer: nn.Module) -> str:
 
 
 FFN_PARTS = ("block_sparse_moe", "shared_mlp")  # a layer without `mlp`: these, side by side (Granite)
+# Nemotron-H blocks whose one module (`mixer`) is an FFN, by kind: ours `layer_type`, HF's `block_type`
+FFN_BLOCK_TYPES = (MLP, MOE)
 
 
-def mixer_sub(layer: nn.Module) -> str:
-    """The boundary name of a layer's token mixer: `mamba` for a Mamba-2 layer, else `self_attn`."""
+def _is_ffn_block(layer: nn.Module) -> bool:
+    return getattr(layer, "layer_type", getattr(layer, "block_type", None)) in FFN_BLOCK_TYPES
+
+
+def mixer_sub(layer: nn.Module) -> str | None:
+    """The boundary name of a layer's token mixer: `mamba` for a Mamba-2 layer, `mixer` for a Nemotron-H
+    block, else `self_attn`; None for a Nemotron-H MLP or MoE block (no token mixer)."""
+    if getattr(layer, "mixer", None) is not None:
+        return None if _is_ffn_block(layer) else "mixer"
     return "mamba" if getattr(layer, "mamba", None) is not None else "self_attn"
 
 
 def ffn_subs(layer: nn.Module) -> tuple[str, ...]:
-    """A layer's feed-forward boundaries: `mlp`, or the routed experts and shared MLP it has (Granite)."""
+    """A layer's feed-forward boundaries: `mlp`, the routed experts and shared MLP it has (Granite), or
+    a Nemotron-H MLP or MoE block's `mixer`."""
+    if getattr(layer, "mixer", None) is not None:
+        return ("mixer",) if _is_ffn_block(layer) else ()
     if getattr(layer, "mlp", None) is not None:
         return ("mlp",)
     return tuple(n for n in FFN_PARTS if getattr(layer, n, None) is not None)
@@ -66,7 +82,14 @@ def ffn_subs(layer: nn.Module) -> tuple[str, ...]:
 def layer_subs(layer: nn.Module) -> tuple[str, ...]:
     """Sub-layer boundary names of one layer in model order (mixer, then FFN); the rule reads the
     layer's modules, so it gives the same names on our layer and on the HF reference's."""
-    return (mixer_sub(layer), *ffn_subs(layer))
+    mixer = mixer_sub(layer)
+    return (*((mixer,) if mixer else ()), *ffn_subs(layer))
+
+
+def has_resid_mid(layer: nn.Module) -> bool:
+    """Whether a residual stream lies between two modules of the layer (`resid_mid`); a one-module
+    block (Nemotron-H) has none."""
+    return len(layer_subs(layer)) > 1
 
 
 def boundary_names(model: nn.Module, sub_layer: bool = True, resid_mid: bool = True) -> list[str]:
@@ -74,9 +97,9 @@ def boundary_names(model: nn.Module, sub_layer: bool = True, resid_mid: bool = T
     names = ["embed"]
     for i, layer in enumerate(model.layers):
         if sub_layer:
-            mixer, *ffn = layer_subs(layer)
-            names += [f"layers.{i}.{mixer}", *([f"layers.{i}.resid_mid"] if resid_mid else []),
-                      *(f"layers.{i}.{f}" for f in ffn)]
+            first, *rest = layer_subs(layer)
+            names += [f"layers.{i}.{first}", *([f"layers.{i}.resid_mid"] if resid_mid and rest else []),
+                      *(f"layers.{i}.{f}" for f in rest)]
         names.append(f"layers.{i}")
     return names + ["norm", "logits"]
 
@@ -133,8 +156,9 @@ def capture(
                     handles.append(mod.register_forward_hook(out_hook(f"layers.{i}.{sub}")))
                     if sub_inputs:
                         handles.append(mod.register_forward_pre_hook(in_hook(f"layers.{i}.{sub}.input"), with_kwargs=True))
-                mod = root.get_submodule(resolve(f"layers.{i}.{mid_norm}"))
-                handles.append(mod.register_forward_pre_hook(in_hook(f"layers.{i}.resid_mid"), with_kwargs=True))
+                if has_resid_mid(layer):
+                    mod = root.get_submodule(resolve(f"layers.{i}.{mid_norm}"))
+                    handles.append(mod.register_forward_pre_hook(in_hook(f"layers.{i}.resid_mid"), with_kwargs=True))
         handles.append(root.get_submodule(resolve("norm")).register_forward_hook(out_hook("norm")))
         yield store
     finally:
@@ -186,8 +210,9 @@ class LayerAdapter(nn.Module):
 
 
 def mixer_module(layer: nn.Module) -> nn.Module:
-    """The layer's token mixer: attention, Gated DeltaNet (`linear_attn`) or Mamba-2 (`mamba`)."""
-    for name in ("self_attn", "linear_attn", "mamba"):
+    """The layer's token mixer: attention, Gated DeltaNet (`linear_attn`), Mamba-2 (`mamba`) or a
+    Nemotron-H block's (`mixer`)."""
+    for name in ("self_attn", "linear_attn", "mamba", "mixer"):
         mod = getattr(layer, name, None)
         if mod is not None:
             return mod
@@ -202,9 +227,10 @@ class AttentionAdapter(nn.Module):
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """h: the mixer's input (after the layer's input norm) [B, S, E] → mixer output [B, S, E].
         A recurrent mixer (linear attention, Mamba-2) starts from a zero state and ignores the tables."""
-        if getattr(self.layer, "self_attn", None) is not None:
-            return self.layer.self_attn(h, cos, sin, mask, NoCache())
-        return mixer_module(self.layer)(h, NoCache())
+        mixer = mixer_module(self.layer)
+        if isinstance(mixer, Attention):
+            return mixer(h, cos, sin, mask, NoCache())
+        return mixer(h, NoCache())
 
 
 class MLPAdapter(nn.Module):
@@ -360,9 +386,10 @@ def attention_unit(model: nn.Module, i: int) -> Unit:
 
 def mlp_unit(model: nn.Module, i: int, name: str = "mlp") -> Unit:
     """One feed-forward module of the layer (`ffn_subs`): key `mlp`, or its name (`block_sparse_moe`,
-    `shared_mlp`)."""
+    `shared_mlp`); a Nemotron-H block's `mixer:<layer type>` (an MLP and an MoE share no artifact)."""
     layer = model.layers[i]
-    return Unit(MLPAdapter(layer, name), [getattr(layer, name)], f"layers.{i}", name, "layer")
+    key = f"{name}:{layer.layer_type}" if name == "mixer" else name
+    return Unit(MLPAdapter(layer, name), [getattr(layer, name)], f"layers.{i}", key, "layer")
 
 
 def head_unit(model: nn.Module) -> Unit:

@@ -12,7 +12,7 @@ from firstlight.models.generate import generate_tokens
 from firstlight.models.loader import load_model
 from tests.engine.test_engine import prompts, run_staggered
 
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "granitemoehybrid"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "granitemoehybrid", "nemotron_h"]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
@@ -40,7 +40,7 @@ def test_engine_greedy_matches_generate_staggered(family_models, family):
     assert engine.kv.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_next", "qwen3_5_moe", "granitemoehybrid"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_next", "qwen3_5_moe", "granitemoehybrid", "nemotron_h"])
 def test_engine_preemption_gives_same_tokens(family_models, family):
     model, tok = family_models(family)
     ps = prompts(6, seed=1)
@@ -89,14 +89,15 @@ def test_hybrid_engine_speculates_with_a_per_token_state_rollback(family_models)
     assert engine.spec.stats.num_drafts > 0
 
 
-def test_mamba_hybrid_speculates_with_a_per_token_state_rollback(family_models):
-    """Granite 4.0-H with proposals accepted to every length (an oracle that errs on purpose): its Mamba-2
-    layers keep the conv and SSM states after every token of a verify pass, the state after the last
-    accepted token is put back, and greedy equals `generate`."""
+@pytest.mark.parametrize("family", ["granitemoehybrid", "nemotron_h"])
+def test_mamba_hybrid_speculates_with_a_per_token_state_rollback(family_models, family):
+    """Granite 4.0-H and Nemotron-H with proposals accepted to every length (an oracle that errs on
+    purpose): their Mamba-2 layers keep the conv and SSM states after every token of a verify pass, the
+    state after the last accepted token is put back, and greedy equals `generate`."""
     from firstlight.engine.speculative.config import SpecConfig
     from tests.speculative.test_mtp import OracleProposer
 
-    model, tok = family_models("granitemoehybrid")
+    model, tok = family_models(family)
     ps = prompts(4, seed=5)
     want = [list(generate_tokens(model, p, 10)) for p in ps]
     engine = LLMEngine(model, tok, EngineConfig(block_size=4, num_blocks=128, max_num_batched_tokens=16,
@@ -123,6 +124,26 @@ def test_mamba_hybrid_engine_keeps_conv_and_ssm_state_per_slot(family_models):
     assert ssm.shape == (4, m.num_heads, m.head_dim, m.state_size) and ssm.dtype == torch.float32
     per_layer = 4 * (m.conv_dim * (m.conv_kernel - 1) + m.num_heads * m.head_dim * m.state_size)
     assert ModelRunner.state_bytes_per_slot(model) == 3 * per_layer
+    _serves_one_prompt_twice(engine, model)
+
+
+def test_nemotron_h_engine_keeps_no_cache_for_mlp_and_moe_blocks(family_models):
+    """Nemotron-H ("M-M*-EM"): a KV pool for its one attention block, state pools for its three Mamba-2
+    blocks, nothing for its MLP and MoE blocks."""
+    from firstlight.engine.runner import ModelRunner
+
+    model, tok = family_models("nemotron_h")
+    engine = LLMEngine(model, tok, EngineConfig(block_size=4, num_blocks=64, max_num_seqs=3))
+    assert [p.numel() > 0 for p in engine.runner.k_pools] == [False, False, False, True, False, False, False]
+    assert sorted(engine.runner.state_pools) == [0, 2, 6]
+    m = model.config.mamba
+    per_layer = 4 * (m.conv_dim * (m.conv_kernel - 1) + m.num_heads * m.head_dim * m.state_size)
+    assert ModelRunner.state_bytes_per_slot(model) == 3 * per_layer
+    _serves_one_prompt_twice(engine, model)
+
+
+def _serves_one_prompt_twice(engine: LLMEngine, model) -> None:
+    """The same prompt twice at once: the same tokens as `generate`, every state slot free after."""
     shared = prompts(1, seed=3)[0]
     for _ in range(2):
         engine.add_request(shared, GREEDY)

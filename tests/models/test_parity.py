@@ -61,7 +61,7 @@ def test_parity_check_detects_a_wrong_weight(tiny_dirs):
     assert rel_err > 10 * FP32_REL_TOL
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "granitemoehybrid"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "granitemoehybrid", "nemotron_h"])
 def test_bf16_close_to_fp32(tiny_dirs, family):
     ours32, _ = load_model(tiny_dirs[family])
     ours16, _ = load_model(tiny_dirs[family], dtype="bfloat16")

@@ -211,6 +211,21 @@ def test_nemotron_h_pattern_by_hand():
         model_from_config({**NEMOTRON_H, "hybrid_override_pattern": "M-M*E"})
 
 
+def test_nemotron_h_config_as_transformers_writes_it_counts_our_models_params(tiny_checkpoint):
+    """The tiny Nemotron-H's config.json as transformers 5 saves it (`layers_block_type` in words, no
+    num_hidden_layers, Mamba projection biases per use_bias) prices the model firstlight loads from it."""
+    from firstlight.models.loader import load_model as load_ours
+
+    ckpt = tiny_checkpoint("nemotron_h")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert "num_hidden_layers" not in cfg and "linear_attention" in cfg["layers_block_type"]
+    m = model_from_config(cfg)
+    ours, _ = load_ours(ckpt, with_tokenizer=False)
+    bias = sum(b.numel() for n, b in ours.named_buffers() if n.endswith("e_score_correction_bias"))
+    assert m.num_params() == sum(p.numel() for p in ours.parameters()) + bias
+    assert m.kv_bytes_per_token() == 2 * 2 * 16 * 2  # the one attention layer, bf16
+
+
 def test_nemotron_h_8b_shape_is_8b():
     pat = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"  # Nemotron-H-8B: 4 attention layers of 52
     m = model_from_config({

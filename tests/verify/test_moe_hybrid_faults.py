@@ -14,7 +14,7 @@ from firstlight.verify.harness import VerifyConfig, run_verify
 CFG = VerifyConfig(new_tokens=8, ppl_tokens=0)
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_next", "qwen3_5_moe", "granitemoehybrid"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_next", "qwen3_5_moe", "granitemoehybrid", "nemotron_h"])
 def test_eager_matches_reference(tiny_dirs, references, family):
     res = run_verify(tiny_dirs[family], get_target("eager"), "eager", config=CFG, reference=references(family))
     assert res.verdict == "match"
@@ -41,6 +41,13 @@ PLANTED = [
                  "aten._grouped_mm", "layers.2.block_sparse_moe.experts", 2, id="experts-down-granite"),
     pytest.param("granitemoehybrid", Fault("noise", op="aten.mm", module="layers.3.shared_mlp.down_proj", value=0.2),
                  "aten.mm", "layers.3.shared_mlp.down_proj", 3, id="shared-mlp-granite"),
+    # Nemotron-H ("M-M*-EM", one module per layer): Mamba-2 step size, an MLP block, the MoE's experts
+    pytest.param("nemotron_h", Fault("scale", op="aten.softplus", layer=2, value=1.5),
+                 "aten.softplus", "layers.2.mixer", 2, id="mamba-step-nemotron"),
+    pytest.param("nemotron_h", Fault("noise", op="aten.mm", module="layers.4.mixer.down_proj", value=0.2),
+                 "aten.mm", "layers.4.mixer.down_proj", 4, id="mlp-block-nemotron"),
+    pytest.param("nemotron_h", Fault("noise", op="aten._grouped_mm", layer=5, nth=1, value=0.2),
+                 "aten._grouped_mm", "layers.5.mixer.experts", 5, id="experts-down-nemotron"),
 ]
 
 
@@ -199,3 +206,73 @@ def test_granite_sub_layer_units_without_hooks(tiny_dirs, references, key, bound
     assert all(b["isolated"]["ok"] for n, b in rows.items() if "isolated" in b and not n.endswith(boundary[9:]))
     assert res.verdict == "mismatch" and res.first_failing["unit"] == "layers.0"
     assert res.culprit is None and "how the target compiled the unit" in res.first_failing["note"]
+
+
+# ---- Nemotron-H: one module per layer, compared as `layers.i.mixer` --------------------------------
+
+def test_nemotron_h_boundaries_are_one_module_per_layer(tiny_dirs, references):
+    """Each layer is compared at its one module (`mixer`: Mamba-2, attention, MLP or MoE) and its output;
+    there is no residual stream inside a layer to compare. The attention scale is checked."""
+    res = run_verify(tiny_dirs["nemotron_h"], get_target("eager"), "eager", config=CFG,
+                     reference=references("nemotron_h"))
+    names = [b["name"] for b in res.boundaries]
+    assert names == ["embed", *(n for i in range(7) for n in (f"layers.{i}.mixer", f"layers.{i}")), "norm", "logits"]
+    assert all(b["isolated"]["ok"] for b in res.boundaries if "isolated" in b)
+    assert res.verdict == "match", res.reasons
+    scale = next(t for t in res.tables if t["name"] == "tables.scale.attention")
+    assert scale["ok"] and scale["max_rel_error"] == 0.0
+
+
+def test_weight_fault_in_a_nemotron_h_mamba_block_is_blamed_on_that_weight(tiny_dirs, references):
+    fault = Fault("weight", param="layers.6.mixer.out_proj.weight", value=1.05)
+    res = run_verify(tiny_dirs["nemotron_h"], FaultyTarget(torch.float32, faults=[fault]), "faulty",
+                     config=CFG, reference=references("nemotron_h"))
+    assert res.verdict == "mismatch" and fault.hits == 1
+    assert res.reasons[0] == "layers.6.mixer: isolated error over tolerance"
+    c = res.culprit
+    assert c is not None, res.first_failing
+    assert (c["op"], c["param"], c["module"], c["layer"]) == (
+        "weight", "layers.6.mixer.out_proj.weight", "layers.6.mixer.out_proj", 6)
+    assert c["source"].startswith("firstlight/models/mamba2.py")
+
+
+def test_nemotron_h_sub_layer_units(tiny_dirs):
+    """Without hooks: a token-mixer block (Mamba-2, attention) is an `attn:<type>` unit, an MLP or MoE
+    block a `mixer:<type>` unit, each reproducing the block's module on its own input."""
+    from firstlight.models.loader import load_model
+    from firstlight.verify import units as U
+
+    model, _ = load_model(tiny_dirs["nemotron_h"], torch.float32, with_tokenizer=False)
+    pos = torch.arange(6)[None]
+    rope, masks = model.rope_tables(pos, torch.float32), model.masks(pos, pos)
+    h = torch.randn(1, 6, model.config.hidden_size)
+    keys = []
+    for i, layer in enumerate(model.layers):
+        assert U.layer_subs(layer) == ("mixer",) and not U.has_resid_mid(layer)
+        if U.mixer_sub(layer):
+            unit = U.attention_unit(model, i)
+            t = layer.layer_type
+            out = unit(h, *rope[t], masks[t], *unit.params())
+            assert U.ffn_subs(layer) == ()
+        else:
+            unit = U.mlp_unit(model, i, "mixer")
+            out = unit(h, *unit.params())
+            torch.testing.assert_close(out, layer.mixer(h), rtol=0, atol=0)
+        assert out.shape == h.shape and torch.isfinite(out).all()
+        keys.append(unit.key)
+    assert keys == ["attn:mamba", "mixer:mlp", "attn:mamba", "attn:full_attention", "mixer:mlp", "mixer:moe",
+                    "attn:mamba"]
+
+
+@pytest.mark.parametrize(("key", "boundary"), [("attn:mamba", "layers.0.mixer"), ("mixer:moe", "layers.5.mixer")])
+def test_nemotron_h_sub_layer_units_without_hooks(tiny_dirs, references, key, boundary):
+    """A miscompiled block module fails its own boundary, compared in isolation inside the layer."""
+    res = run_verify(tiny_dirs["nemotron_h"], _Miscompiled((key,)), "miscompiled", config=CFG,
+                     reference=references("nemotron_h"))
+    rows = {b["name"]: b for b in res.boundaries}
+    assert "layers.1.resid_mid" not in rows and "layers.1.mixer" in rows
+    assert rows[boundary]["isolated"]["rel_l2"] == pytest.approx(0.1, rel=1e-3)
+    others = [b for n, b in rows.items() if "isolated" in b and n.endswith(".mixer") and n != boundary
+              and not (key == "attn:mamba" and n in ("layers.2.mixer", "layers.6.mixer"))]
+    assert others and all(b["isolated"]["ok"] for b in others)
+    assert res.verdict == "mismatch" and res.culprit is None

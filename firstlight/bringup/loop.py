@@ -317,7 +317,8 @@ class BringupLoop:
         for i in reversed(range(len(kept))):
             cand = kept[i]
             remedy = R.load_builtin().get(cand.remedy)
-            variants = [None] + (remedy.cheaper(cand, None) if remedy and remedy.cheaper else [])
+            ctx = R.RemedyContext(numerics=current.target.numerics, site=current.target.site_numerics)
+            variants = [None] + (remedy.cheaper(cand, ctx) if remedy and remedy.cheaper else [])
             for v in variants:  # None: without it at all
                 if spent >= self.cfg.perf_budget:
                     return current

@@ -111,3 +111,12 @@ def test_per_tensor_fp8_gets_block_scales_first():
 
     ranked = PlaybookPlanner(Playbook("/nonexistent/pb.json")).rank(sig, cands, RunInfo("h100", "nvidia", "llama", "m"))
     assert ranked[0].remedy == "finer_scaling"
+
+
+def test_cheaper_weight_formats_are_the_chips_own():
+    """bf16 weights on an H100 get cheaper as fp8 (its ladder), never as Tenstorrent's block floats."""
+    t = EmulatedTarget(chip="h100-sxm")
+    ctx = R.RemedyContext(numerics=t.numerics, site=t.site_numerics)
+    bf16 = R.Candidate("widen_weights", R.matmul_rules(None, None, "", b_format="bf16"), "weights in bf16 everywhere")
+    formats = [c.rules[0].matmul.b_format for c in R.load_builtin()["widen_weights"].cheaper(bf16, ctx)]
+    assert formats and "fp8_e4m3" in formats and not any(f.startswith("bfp") for f in formats)

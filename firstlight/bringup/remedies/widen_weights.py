@@ -8,8 +8,11 @@ LADDERS = (("bfp2_b", "bfp4_b", "bfp8_b", "bf16"), ("mxfp4", "mxfp6_e2m3", "mxfp
            ("mxint8", "bf16"), ("fp16", "fp32"), ("bf16", "fp32"))
 
 
-def ladder(fmt: str) -> tuple[str, ...]:
-    return next((lad for lad in LADDERS if fmt in lad), (fmt,))
+def ladder(fmt: str, chip_fmt: str | None = None) -> tuple[str, ...]:
+    """The ladder holding `fmt`, and the chip's own weight format when given (bf16 is on several: an
+    H100's is fp8's, never Tenstorrent's block floats)."""
+    return next((lad for lad in LADDERS if fmt in lad and (chip_fmt is None or chip_fmt in lad)),
+                next((lad for lad in LADDERS if fmt in lad), (fmt,)))
 
 
 def _c(scope, fmt, why, rank):
@@ -32,7 +35,7 @@ def propose(sig, ctx):
 
 def cheaper(c, ctx):
     r = c.rules[0]
-    lad = ladder(r.matmul.b_format)
+    lad = ladder(r.matmul.b_format, ctx.numerics.matmul.b_format if ctx is not None else None)
     return [_c(r.module, f, r.why, 1) for f in lad[:lad.index(r.matmul.b_format)]][::-1]
 
 

@@ -132,14 +132,11 @@ def scope_of(sig: Signature, ctx: RemedyContext | None = None) -> str | None:
     reference's inputs) is scoped to the attention, the modules that read and write the cache."""
     from firstlight.bringup.signatures import module_kind
 
-    module = getattr(sig, "module", "") or ("" if sig.kind == "decode_only" else getattr(sig, "unit", ""))
-    if module:
-        return module_kind(module)
-    if sig.kind == "decode_only" and ctx is not None:
-        attn = next((module_kind(m) for m in ctx.modules if _ATTENTION.search(m)), None)
-        if attn:
-            return attn
-    return module_kind(sig.unit) if getattr(sig, "unit", "") else None
+    module = getattr(sig, "module", "")
+    if not module and sig.kind == "decode_only" and ctx is not None:
+        module = next((m for m in ctx.modules if _ATTENTION.search(m)), "")
+    module = module or getattr(sig, "unit", "")
+    return module_kind(module) if module else None
 
 
 _ATTENTION = re.compile(r"(^|\.)layers\.\d+\.(self_attn|attn|attention)$")

@@ -390,7 +390,9 @@ def _check(obj: Any, limits: dict[str, int], prefix: str = "", experts_field: st
 
 def check_sizes(cfg: ModelConfig) -> None:
     """Every size is a positive integer no larger than its limit (named by its config.json key), the
-    MoE and linear-attention (hybrid) sizes included."""
+    MoE, linear-attention (hybrid) and MLA sizes included."""
+    if cfg.mla is not None:  # first: the cache's head_dim is derived from them
+        _check(cfg.mla, MLA_MAX_SIZES if cfg.mla.q_lora_rank is None else {**MLA_MAX_SIZES, "q_lora_rank": 1 << 16})
     _check(cfg, MAX_SIZES)
     if cfg.sliding_window is not None and not 1 <= cfg.sliding_window <= MAX_SIZES["max_position_embeddings"]:
         raise ValueError(f"sliding_window = {cfg.sliding_window} is not a plausible size "
@@ -406,8 +408,6 @@ def check_sizes(cfg: ModelConfig) -> None:
                              f"(expected 0 to {MOE_MAX_SIZES['intermediate_size']})")
     if cfg.linear_attn is not None:
         _check(cfg.linear_attn, LINEAR_ATTN_MAX_SIZES, "linear_attn.")
-    if cfg.mla is not None:
-        _check(cfg.mla, MLA_MAX_SIZES if cfg.mla.q_lora_rank is None else {**MLA_MAX_SIZES, "q_lora_rank": 1 << 16})
     if cfg.mamba is not None:
         _check(cfg.mamba, MAMBA_MAX_SIZES, "mamba.", names=NEMOTRON_HF_NAMES if cfg.model_type == "nemotron_h" else HF_NAMES)
 

@@ -294,6 +294,12 @@ class CausalLM(nn.Module):
         self.inv_freq = {t: rope_inv_freq(cfg.rope[t], cfg.rope_head_dim) for t in attn_types}
         self.rotary = RotaryTables(cfg, self.inv_freq)
 
+    @staticmethod
+    def kv_from_reference(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's entries of transformers' KV cache → what `cache.update` receives from ours (the
+        same K and V, [B, Hkv, L, D]; a family that caches another layout converts, see deepseek_v3.py)."""
+        return keys, values
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [B, S, E]."""
         return self.embed_tokens(input_ids)

@@ -203,3 +203,12 @@ def test_hub_config_agrees_with_the_simulator():
     assert ours == pytest.approx(sim.num_params(), rel=1e-3)
     cache_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2  # K and V halves, bf16
     assert cache_bytes == sim.kv_bytes_per_token() == 61 * 576 * 2
+
+
+def test_mtp_speculation_on_deepseek_v3_is_a_clear_error(tiny_dirs):
+    from firstlight.engine.speculative.mtp import check_has_mtp
+    from firstlight.errors import FirstlightError
+
+    model, _ = load_model(tiny_dirs[DS], with_tokenizer=False)
+    with pytest.raises(FirstlightError, match="does not run DeepSeek-V3's MTP layer yet"):
+        check_has_mtp(model)

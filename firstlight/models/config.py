@@ -38,6 +38,7 @@ FAMILIES: dict[str, str] = {
     "qwen3_5_moe": "qwen3_5_moe:Qwen3_5Moe",
     "granitemoehybrid": "granitemoehybrid:GraniteMoeHybrid",
     "nemotron_h": "nemotron_h:NemotronH",
+    "deepseek_v3": "deepseek_v3:DeepseekV3",
 }
 # Multimodal wrappers whose `text_config` we run (the text model alone): wrapper model_type -> ours
 TEXT_TOWERS = {"gemma3": "gemma3_text", "qwen3_5_moe": "qwen3_5_moe"}
@@ -46,7 +47,8 @@ ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe"}
 # Families with Gated DeltaNet layers: the layer types each allows
 HYBRID_LAYER_TYPES = {"qwen3_next": (FULL, SLIDING, LINEAR), "qwen3_5_moe": (FULL, LINEAR)}
 # The config field counting a family's native MTP layers
-MTP_FIELDS = {"qwen3_next": "num_nextn_predict_layers", "qwen3_5_moe": "mtp_num_hidden_layers"}
+MTP_FIELDS = {"qwen3_next": "num_nextn_predict_layers", "qwen3_5_moe": "mtp_num_hidden_layers",
+              "deepseek_v3": "num_nextn_predict_layers"}
 ROPE_KINDS = ("default", "llama3", "linear", "yarn", "dynamic")
 
 
@@ -132,6 +134,48 @@ class MoEConfig:
                 f"config fields 'n_group' ({self.num_groups}) and 'topk_group' ({self.topk_groups}): n_group must "
                 f"divide {self.experts_field}={self.num_experts} and topk_group lie in [1, n_group]; fix config.json"
             )
+        per_group = self.num_experts // self.num_groups
+        if self.num_groups > 1 and (per_group < 2 or self.num_experts_per_tok > self.topk_groups * per_group):
+            # a group is scored by its two best experts, and the top-k is drawn from the kept groups only
+            raise ModelLoadError(
+                f"config fields 'n_group' ({self.num_groups}), 'topk_group' ({self.topk_groups}) and "
+                f"'num_experts_per_tok' ({self.num_experts_per_tok}): each of the n_group groups of "
+                f"{self.experts_field}={self.num_experts} needs >= 2 experts, and the topk_group kept groups >= "
+                f"num_experts_per_tok experts; fix config.json"
+            )
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head Latent Attention (DeepSeek-AI 2024, "DeepSeek-V2", arXiv:2405.04434, sec. 2.1): keys and
+    values are decompressed per head from one shared latent (kv_lora_rank wide, normed) per token; a
+    separate rope key (qk_rope_head_dim wide) is shared by all heads. Queries optionally go through a
+    low-rank bottleneck too (q_lora_rank; None: one q_proj)."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    rope_interleave: bool = True  # the rope dims of q_proj / kv_a_proj come as interleaved pairs (x0, x1), ...
+
+    def __post_init__(self) -> None:
+        if self.qk_rope_head_dim % 2:
+            raise ModelLoadError(f"config field 'qk_rope_head_dim' ({self.qk_rope_head_dim}) must be even")
+        if self.cache_width % 2:
+            raise ModelLoadError(
+                f"config field 'kv_lora_rank' ({self.kv_lora_rank}) must be even: the cached latent row "
+                f"(kv_lora_rank + qk_rope_head_dim) is split in two halves (deepseek_v3.py)"
+            )
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_width(self) -> int:
+        """The per-token row the KV cache keeps: the normed latent and the rotated rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -200,7 +244,7 @@ class ModelConfig:
     intermediate_size: int
     num_layers: int
     num_heads: int
-    num_kv_heads: int
+    num_kv_heads: int  # heads and width of the KV cache's K and V (MLA: 1, half the latent row; see `mla`)
     head_dim: int
     max_position_embeddings: int
     rms_norm_eps: float
@@ -227,6 +271,7 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    mla: MLAConfig | None = None  # DeepSeek-V3's attention
     hf: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # the source dict
 
     @property
@@ -241,6 +286,11 @@ class ModelConfig:
     @property
     def state_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t in STATE_TYPES)
+
+    @property
+    def rope_head_dim(self) -> int:
+        """The head width rope tables are built for (MLA: the rope part of q and k only)."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     @property
     def mtp_field(self) -> str:
@@ -295,6 +345,8 @@ MAMBA_MAX_SIZES: dict[str, int] = {"num_heads": 1 << 12, "head_dim": 1 << 12, "n
                                    "state_size": 1 << 12, "conv_kernel": 1 << 6, "chunk_size": 1 << 16}
 LINEAR_ATTN_MAX_SIZES: dict[str, int] = {"num_k_heads": 1 << 10, "num_v_heads": 1 << 10, "k_head_dim": 1 << 12,
                                          "v_head_dim": 1 << 12, "conv_kernel": 1 << 6}
+MLA_MAX_SIZES: dict[str, int] = {"kv_lora_rank": 1 << 14, "qk_nope_head_dim": 1 << 12, "qk_rope_head_dim": 1 << 12,
+                                 "v_head_dim": 1 << 12}
 HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
             "num_kv_heads": "num_key_value_heads", "moe.intermediate_size": "moe_intermediate_size",
             "linear_attn.num_k_heads": "linear_num_key_heads", "linear_attn.num_v_heads": "linear_num_value_heads",
@@ -338,7 +390,9 @@ def _check(obj: Any, limits: dict[str, int], prefix: str = "", experts_field: st
 
 def check_sizes(cfg: ModelConfig) -> None:
     """Every size is a positive integer no larger than its limit (named by its config.json key), the
-    MoE and linear-attention (hybrid) sizes included."""
+    MoE, linear-attention (hybrid) and MLA sizes included."""
+    if cfg.mla is not None:  # first: the cache's head_dim is derived from them
+        _check(cfg.mla, MLA_MAX_SIZES if cfg.mla.q_lora_rank is None else {**MLA_MAX_SIZES, "q_lora_rank": 1 << 16})
     _check(cfg, MAX_SIZES)
     if cfg.sliding_window is not None and not 1 <= cfg.sliding_window <= MAX_SIZES["max_position_embeddings"]:
         raise ValueError(f"sliding_window = {cfg.sliding_window} is not a plausible size "
@@ -489,6 +543,9 @@ def _parse(model_type: str, cfg: dict[str, Any]) -> ModelConfig:
     layer_types = nemotron_types or _layer_types(model_type, cfg, num_layers)
     gemma = model_type == "gemma3_text"
     granite = model_type == "granitemoehybrid"
+    mla = _mla(cfg) if model_type == "deepseek_v3" else None
+    if mla is not None:  # the cache holds one latent row per token, half in K and half in V (deepseek_v3.py)
+        num_kv_heads, head_dim = 1, mla.cache_width // 2
 
     # Rope: transformers 5 nests parameters per layer type; classic configs keep them flat.
     rp = cfg.get("rope_parameters")
@@ -514,6 +571,9 @@ def _parse(model_type: str, cfg: dict[str, Any]) -> ModelConfig:
     attention_bias = bool(cfg.get("attention_bias", False))
     qwen2_like = model_type in ("qwen2", "qwen2_moe")
     max_pos = _int(cfg, "max_position_embeddings", 4096)
+    attn_scale = (float(cfg["query_pre_attn_scalar"]) ** -0.5 if gemma
+                  else float(cfg.get("attention_multiplier", 1.0)) if granite
+                  else _mla_scale(mla, rope[FULL]) if mla is not None else None)
     if rope[FULL].kind == "dynamic":  # the context dynamic NTK scaling is made for
         max_pos = int(max_pos * rope[FULL].factor)
     return ModelConfig(
@@ -544,8 +604,7 @@ def _parse(model_type: str, cfg: dict[str, Any]) -> ModelConfig:
         layer_types=layer_types,
         rope=rope,
         sliding_window=_int(cfg, "sliding_window") if SLIDING in layer_types else None,
-        attn_scale=(float(cfg["query_pre_attn_scalar"]) ** -0.5 if gemma
-                    else float(cfg.get("attention_multiplier", 1.0)) if granite else None),
+        attn_scale=attn_scale,
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
@@ -559,6 +618,7 @@ def _parse(model_type: str, cfg: dict[str, Any]) -> ModelConfig:
         embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)) if granite else 1.0,
         residual_multiplier=float(cfg.get("residual_multiplier", 1.0)) if granite else 1.0,
         logits_scaling=float(cfg.get("logits_scaling", 1.0)) if granite else 1.0,
+        mla=mla,
         hf=dict(cfg),
     )
 
@@ -596,6 +656,8 @@ def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> MoEConfig | N
             sparse_layers=(True,) * num_layers,
             shared_expert_intermediate_size=_int(cfg, "shared_expert_intermediate_size"),
         )
+    if model_type == "deepseek_v3":
+        return _deepseek_moe(cfg, num_layers)
     if model_type not in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
         return None
     # hub checkpoints say num_experts; transformers 5 writes some families back as num_local_experts
@@ -614,6 +676,52 @@ def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> MoEConfig | N
             0 if model_type == "qwen3_moe" else _int(cfg, "shared_expert_intermediate_size")
         ),
         experts_field=field_name,
+    )
+
+
+def _mla(cfg: dict[str, Any]) -> MLAConfig:
+    """DeepSeek-V3's attention sizes (transformers' DeepseekV3Config names; its default q_lora_rank)."""
+    q_rank = cfg.get("q_lora_rank", 1536)
+    return MLAConfig(
+        kv_lora_rank=_positive(cfg, "kv_lora_rank"),
+        qk_nope_head_dim=_positive(cfg, "qk_nope_head_dim"),
+        qk_rope_head_dim=_positive(cfg, "qk_rope_head_dim"),
+        v_head_dim=_positive(cfg, "v_head_dim"),
+        q_lora_rank=None if q_rank is None else _positive(cfg, "q_lora_rank"),
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
+    )
+
+
+def _mla_scale(mla: MLAConfig, rope: RopeConfig) -> float:
+    """The softmax scale: 1/sqrt(qk_head_dim), times YaRN's mscale squared when the rope is scaled with
+    `mscale_all_dim` (DeepSeek-V2's yarn_get_mscale; transformers' `yarn_apply_mscale`)."""
+    scale = mla.qk_head_dim**-0.5
+    if rope.kind != "default" and rope.mscale_all_dim and rope.factor > 1:
+        mscale = 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+def _deepseek_moe(cfg: dict[str, Any], num_layers: int) -> MoEConfig:
+    """DeepSeek-V3's MLPs: dense in the first `first_k_dense_replace` layers, then routed experts (sigmoid
+    scores over expert groups, moe.py's SigmoidGroupRouter) plus always-on shared experts. Defaults are
+    transformers' DeepseekV3Config's."""
+    first_dense = _int(cfg, "first_k_dense_replace", 3)
+    if first_dense < 0:
+        raise ValueError(f"first_k_dense_replace = {first_dense} must be >= 0")
+    return MoEConfig(
+        num_experts=_int(cfg, "n_routed_experts", 256),
+        num_experts_per_tok=_int(cfg, "num_experts_per_tok", 8),
+        intermediate_size=_int(cfg, "moe_intermediate_size", 2048),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        sparse_layers=tuple(i >= first_dense for i in range(num_layers)),
+        shared_expert_intermediate_size=_int(cfg, "moe_intermediate_size", 2048) * _int(cfg, "n_shared_experts", 1),
+        fp32_routing_weights=True,
+        experts_field="n_routed_experts",
+        sigmoid_routing=True,
+        num_groups=_int(cfg, "n_group", 8),
+        topk_groups=_int(cfg, "topk_group", 4),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5)),
     )
 
 

@@ -5,6 +5,7 @@
     self_attn.{q,k,v}_proj.{weight,bias}  →  self_attn.qkv_proj.{weight,bias}   (concatenated on dim 0)
     mlp.{gate,up}_proj.{weight,bias}      →  mlp.gate_up_proj.{weight,bias}
     mlp.shared_expert.{gate,up}_proj      →  mlp.shared_expert.gate_up_proj
+    mlp.shared_experts.{gate,up}_proj     →  mlp.shared_experts.gate_up_proj    (DeepSeek-V3)
     shared_mlp.{input,output}_linear      →  shared_mlp.{gate_up,down}_proj     (Granite; a rename)
     linear_attn.in_proj_{qkv,z,b,a}       →  linear_attn.in_proj                (Qwen3.5's Gated DeltaNet)
     mixer.{q,k,v}_proj                    →  mixer.qkv_proj                     (Nemotron-H's attention)
@@ -36,6 +37,7 @@ FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "shared_expert.gate_up_proj": ("shared_expert.gate_proj", "shared_expert.up_proj"),
+    "shared_experts.gate_up_proj": ("shared_experts.gate_proj", "shared_experts.up_proj"),  # DeepSeek-V3
     "shared_mlp.gate_up_proj": ("shared_mlp.input_linear",),  # one part: a rename
     "shared_mlp.down_proj": ("shared_mlp.output_linear",),
     "linear_attn.in_proj": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",

@@ -267,7 +267,7 @@ class RotaryTables(nn.Module):
         for t, inv_freq in self.inv_freq.items():
             rope = self.cfg.rope[t]
             if rope.kind == "dynamic":
-                inv_freq = dynamic_ntk_inv_freq(rope, self.cfg.head_dim, positions)
+                inv_freq = dynamic_ntk_inv_freq(rope, self.cfg.rope_head_dim, positions)
             tables[t] = rope_cos_sin(inv_freq.to(positions.device), positions, dtype, rope.cos_sin_scale)
         return tables
 
@@ -291,8 +291,14 @@ class CausalLM(nn.Module):
         # Kept in fp32 outside the module's buffers, so casting the model to bf16 leaves them exact.
         # (a model without attention layers still gets the full-attention entry its recurrent layers alias)
         attn_types = sorted(set(cfg.layer_types) & {"full_attention", "sliding_attention"}) or ["full_attention"]
-        self.inv_freq = {t: rope_inv_freq(cfg.rope[t], cfg.head_dim) for t in attn_types}
+        self.inv_freq = {t: rope_inv_freq(cfg.rope[t], cfg.rope_head_dim) for t in attn_types}
         self.rotary = RotaryTables(cfg, self.inv_freq)
+
+    @staticmethod
+    def kv_from_reference(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's entries of transformers' KV cache → what `cache.update` receives from ours (the
+        same K and V, [B, Hkv, L, D]; a family that caches another layout converts, see deepseek_v3.py)."""
+        return keys, values
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [B, S, E]."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -178,7 +179,7 @@ def load_model(
             )
     if cfg.tie_word_embeddings:
         used.add("lm_head.weight")
-    extra = sorted(n for n in tensors.names() - used if not IGNORED.match(n))
+    extra = sorted(n for n in tensors.names() - used if not IGNORED.match(n) and not _skipped_mtp(n, cfg))
     if extra:
         raise ModelLoadError(f"{ckpt}: checkpoint has tensors the {cfg.model_type} config does not use: {', '.join(extra[:5])}")
     with torch.no_grad():
@@ -199,11 +200,23 @@ def _with_mtp_layers(cfg: ModelConfig, names: set[str]) -> ModelConfig:
     return dataclasses.replace(cfg, num_mtp_layers=max(found) + 1) if found else cfg
 
 
+MTP_LAYER_FILE = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _skipped_mtp(name: str, cfg: ModelConfig) -> bool:
+    """A tensor of DeepSeek-V3's MTP layers, which its files keep as `model.layers.{num_hidden_layers + i}`:
+    not loaded (firstlight runs no DeepSeek-V3 MTP layer yet), as transformers skips them on load."""
+    m = MTP_LAYER_FILE.match(name) if cfg.model_type == "deepseek_v3" else None
+    return m is not None and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + cfg.num_mtp_layers
+
+
 def _check_expert_count(ckpt: Path, cfg: ModelConfig, tensors: _Tensors) -> None:
     """Experts in the files must number exactly what the config says, in every MoE layer: per-expert
     tensors counted, stacked ones by their first dim."""
     found: dict[int, int] = {}
     for n in tensors.names():
+        if _skipped_mtp(n, cfg):
+            continue
         m = EXPERT_FILE_INDEX.match(n)
         if m:
             layer, expert = int(m.group(1)), int(m.group(2))

@@ -111,6 +111,21 @@ TINY: dict[str, dict[str, Any]] = {
         "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "moe_shared_expert_intermediate_size": 48, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
     },
+    # MLA with a q bottleneck and interleaved rope dims, v_head_dim unlike qk_nope_head_dim; YaRN with an
+    # mscale and mscale_all_dim that both bite (cos/sin scale and softmax scale), over a 32-token original
+    # context (max_position_embeddings = factor x it, as DeepSeek-V3's); one dense layer, then DeepSeek-V3 routing over 4 groups of 2 experts (top 2 groups, top 3
+    # experts, a random correction bias) with two shared experts' worth of shared MLP
+    "deepseek_v3": {
+        "tie_word_embeddings": False, "num_key_value_heads": 4, "head_dim": 8,
+        "q_lora_rank": 32, "kv_lora_rank": 24, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+        "rope_interleave": True, "first_k_dense_replace": 1, "n_routed_experts": 8, "n_group": 4,
+        "topk_group": 2, "num_experts_per_tok": 3, "moe_intermediate_size": 32, "n_shared_experts": 2,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "num_nextn_predict_layers": 0,
+        "max_position_embeddings": 128,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "mscale": 0.8, "mscale_all_dim": 0.6},
+    },
 }
 ALIASES = {"gemma3": "gemma3_text"}
 # Families the hub ships as vision-language wrappers: the text model's own model_type, and a one-block

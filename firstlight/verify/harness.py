@@ -29,7 +29,7 @@ from torch import nn
 
 from firstlight.models.config import ModelConfig
 from firstlight.models.hf_names import hf_module_name, hf_name
-from firstlight.models.loader import load_config, load_model, load_tokenizer
+from firstlight.models.loader import load_config, load_model, load_tokenizer, model_class
 from firstlight.targets.base import Target, TargetError
 from firstlight.verify import units as U
 from firstlight.verify.longrange import perplexity_check
@@ -613,7 +613,8 @@ def _serving_paths(ref: nn.Module, tokens: list[int], ref_caps: dict[str, torch.
         return out
     seq_len = len(tokens)
     pool_shape = (num_layers, cfg.num_kv_heads, cfg.head_dim)
-    main = RefSeq(tokens, ref_caps, _kv_of(ref_caps, num_layers), full_logits)
+    kv_of = partial(_kv_of, num_layers=num_layers, convert=model_class(cfg).kv_from_reference)
+    main = RefSeq(tokens, ref_caps, kv_of(ref_caps), full_logits)
     refs, rows, lengths = [main], [0], [seq_len]
     num_decode = max(0, min(cfg_v.decode_steps, seq_len // 2 - 2))
     if cfg_v.batch_path and seq_len >= 12:
@@ -623,7 +624,7 @@ def _serving_paths(ref: nn.Module, tokens: list[int], ref_caps: dict[str, torch.
         caps = _reference_forward(ref, suffix, num_layers, mid, sub_inputs)
         ids = torch.tensor([suffix])
         own = comp.compile(U.logits_unit(tmodel), (ids,))(ids)[0].float()  # the target's full forward
-        refs.append(RefSeq(suffix, caps, _kv_of(caps, num_layers), own))
+        refs.append(RefSeq(suffix, caps, kv_of(caps), own))
         rows, lengths = [0, 1, 0], [seq_len, len(suffix), seq_len // 2]
     plans = [("serve", *serve_plan(refs, rows, lengths, num_decode, cfg_v.chunk_size, cfg_v.block_size))]
     if not cfg_v.decode_steps and not cfg_v.batch_path:
@@ -641,8 +642,11 @@ def _serving_paths(ref: nn.Module, tokens: list[int], ref_caps: dict[str, torch.
     return out
 
 
-def _kv_of(caps: dict[str, torch.Tensor], num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(caps[f"kv.{i}.k"], caps[f"kv.{i}.v"]) for i in range(num_layers)]
+def _kv_of(caps: dict[str, torch.Tensor], num_layers: int, convert: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+           ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The reference's cache entries per layer, in our cache's layout (`convert`: the family's
+    `kv_from_reference`; MLA caches one latent row where transformers keeps two tensors)."""
+    return [convert(caps[f"kv.{i}.k"], caps[f"kv.{i}.v"]) for i in range(num_layers)]
 
 
 def _localize_step(run: PathRun, k: int, refs: list[RefSeq], runner: StepRunner, ref_tables: ReferenceTables, *,

@@ -41,9 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from firstlight.models.config import MLP, MOE
+from firstlight.models.config import ATTENTION_TYPES, MLP, MOE
 from firstlight.models.kv_cache import NoCache
-from firstlight.models.layers import Attention
 from firstlight.targets.base import unit_phase
 
 
@@ -228,7 +227,7 @@ class AttentionAdapter(nn.Module):
         """h: the mixer's input (after the layer's input norm) [B, S, E] → mixer output [B, S, E].
         A recurrent mixer (linear attention, Mamba-2) starts from a zero state and ignores the tables."""
         mixer = mixer_module(self.layer)
-        if isinstance(mixer, Attention):
+        if self.layer.layer_type in ATTENTION_TYPES:  # attention (or MLA): takes tables, a mask, a cache
             return mixer(h, cos, sin, mask, NoCache())
         return mixer(h, NoCache())
 

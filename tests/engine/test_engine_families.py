@@ -12,7 +12,8 @@ from firstlight.models.generate import generate_tokens
 from firstlight.models.loader import load_model
 from tests.engine.test_engine import prompts, run_staggered
 
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "granitemoehybrid", "nemotron_h"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "granitemoehybrid", "nemotron_h",
+            "deepseek_v3"]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
@@ -40,7 +41,8 @@ def test_engine_greedy_matches_generate_staggered(family_models, family):
     assert engine.kv.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_next", "qwen3_5_moe", "granitemoehybrid", "nemotron_h"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_next", "qwen3_5_moe", "granitemoehybrid", "nemotron_h",
+                                    "deepseek_v3"])
 def test_engine_preemption_gives_same_tokens(family_models, family):
     model, tok = family_models(family)
     ps = prompts(6, seed=1)

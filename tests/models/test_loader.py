@@ -83,7 +83,7 @@ def test_unknown_model_type_lists_supported(tiny_dirs, tmp_path):
     ckpt = _copy(tiny_dirs["llama"], tmp_path)
     cfg = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps({**cfg, "model_type": "falcon"}))
-    with pytest.raises(UnknownModelError, match="'falcon' is not supported; supported: gemma3_text, granitemoehybrid, llama"):
+    with pytest.raises(UnknownModelError, match="'falcon' is not supported; supported: deepseek_v3, gemma3_text, granitemoehybrid, llama"):
         load_model(ckpt)
 
 

@@ -14,7 +14,8 @@ from firstlight.verify.harness import VerifyConfig, run_verify
 CFG = VerifyConfig(new_tokens=8, ppl_tokens=0)
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_next", "qwen3_5_moe", "granitemoehybrid", "nemotron_h"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_next", "qwen3_5_moe", "granitemoehybrid", "nemotron_h",
+                                    "deepseek_v3"])
 def test_eager_matches_reference(tiny_dirs, references, family):
     res = run_verify(tiny_dirs[family], get_target("eager"), "eager", config=CFG, reference=references(family))
     assert res.verdict == "match"
@@ -48,6 +49,13 @@ PLANTED = [
                  "aten.mm", "layers.4.mixer.down_proj", 4, id="mlp-block-nemotron"),
     pytest.param("nemotron_h", Fault("noise", op="aten._grouped_mm", layer=5, nth=1, value=0.2),
                  "aten._grouped_mm", "layers.5.mixer.experts", 5, id="experts-down-nemotron"),
+    # DeepSeek-V3 (one dense layer, then MoE): MLA's latent projection, the shared experts, the routed experts
+    pytest.param("deepseek_v3", Fault("noise", op="aten.mm", module="layers.2.self_attn.kv_a_proj_with_mqa", value=0.2),
+                 "aten.mm", "layers.2.self_attn.kv_a_proj_with_mqa", 2, id="mla-kv-a-proj-deepseek_v3"),
+    pytest.param("deepseek_v3", Fault("noise", op="aten.mm", module="layers.1.mlp.shared_experts.down_proj", value=0.2),
+                 "aten.mm", "layers.1.mlp.shared_experts.down_proj", 1, id="shared-experts-deepseek_v3"),
+    pytest.param("deepseek_v3", Fault("noise", op="aten._grouped_mm", layer=3, nth=1, value=0.2),
+                 "aten._grouped_mm", "layers.3.mlp.experts", 3, id="experts-down-deepseek_v3"),
 ]
 
 
@@ -65,7 +73,7 @@ def test_planted_fault_is_localized(tiny_dirs, references, family, fault, op, mo
 
 # ---- blaming one expert among the stacked ones ---------------------------------------------------
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
 def test_weight_fault_in_one_expert_is_blamed_on_that_expert(tiny_dirs, references, family):
     """Expert 3's down_proj weight in layer 1 scaled by 1.5: no op fails on the reference's weights,
     and the weight check names the parameter and the expert."""
@@ -83,7 +91,7 @@ def test_weight_fault_in_one_expert_is_blamed_on_that_expert(tiny_dirs, referenc
     assert "expert 3" in res.first_failing["note"]
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
 def test_op_fault_in_one_expert_is_blamed_on_that_expert(tiny_dirs, references, family):
     """Only expert 3's rows of layer 1's down-projection grouped GEMM are scaled: the culprit op is the
     grouped GEMM, and its per-expert comparison names expert 3 (the other experts' rows are exact)."""
@@ -276,3 +284,41 @@ def test_nemotron_h_sub_layer_units_without_hooks(tiny_dirs, references, key, bo
               and not (key == "attn:mamba" and n in ("layers.2.mixer", "layers.6.mixer"))]
     assert others and all(b["isolated"]["ok"] for b in others)
     assert res.verdict == "mismatch" and res.culprit is None
+
+
+# ---- DeepSeek-V3: MLA caches one latent row per token, transformers two tensors ------------------
+
+def test_deepseek_v3_serving_path_compares_the_latent_cache(tiny_dirs, references):
+    """The serving path's cached K/V (the latent row in two halves) is compared with transformers' cache
+    entries (latent, rope key) in our layout, and the MLA softmax scale (YaRN mscale) with HF's."""
+    res = run_verify(tiny_dirs["deepseek_v3"], get_target("eager"), "eager", config=CFG,
+                     reference=references("deepseek_v3"))
+    kv = res.paths["serve"]["kv_cache"]
+    assert kv["ok"] and kv["max_rel_l2"] < 1e-5
+    scale = next(t for t in res.tables if t["name"] == "tables.scale.attention")
+    assert scale["ok"] and scale["max_rel_error"] == 0.0
+
+
+def test_weight_fault_in_deepseek_v3_kv_a_proj_is_blamed_on_that_weight(tiny_dirs, references):
+    fault = Fault("weight", param="layers.2.self_attn.kv_a_proj_with_mqa.weight", value=1.05)
+    res = run_verify(tiny_dirs["deepseek_v3"], FaultyTarget(torch.float32, faults=[fault]), "faulty",
+                     config=CFG, reference=references("deepseek_v3"))
+    assert res.verdict == "mismatch" and fault.hits == 1
+    assert res.reasons[0] == "layers.2.self_attn: isolated error over tolerance"
+    c = res.culprit
+    assert c is not None, res.first_failing
+    assert (c["op"], c["param"], c["module"], c["layer"]) == (
+        "weight", "layers.2.self_attn.kv_a_proj_with_mqa.weight", "layers.2.self_attn.kv_a_proj_with_mqa", 2)
+    assert c["source"].startswith("firstlight/models/deepseek_v3.py")
+
+
+def test_deepseek_v3_mla_unit_without_hooks(tiny_dirs, references):
+    """A target without hooks compiles MLA as an attention unit of its own: miscompiled, it fails its
+    boundary in isolation while the MLP and MoE boundaries pass."""
+    res = run_verify(tiny_dirs["deepseek_v3"], _Miscompiled(("attn:full_attention",)), "miscompiled", config=CFG,
+                     reference=references("deepseek_v3"))
+    rows = {b["name"]: b for b in res.boundaries}
+    assert rows["layers.1.self_attn"]["isolated"]["rel_l2"] == pytest.approx(0.1, rel=1e-3)
+    mlps = [b for n, b in rows.items() if n.endswith(".mlp")]
+    assert len(mlps) == 4 and all(b["isolated"]["ok"] for b in mlps)
+    assert res.verdict == "mismatch" and res.first_failing["unit"] == "layers.0"

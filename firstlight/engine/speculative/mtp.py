@@ -47,7 +47,9 @@ def check_has_mtp(target: Any) -> None:
     """Raise a FirstlightError a user can act on when the target carries no MTP layer."""
     cfg = target.config
     if getattr(target, "mtp", None) is None:
-        why = (f"its config has {cfg.mtp_field} = {cfg.num_mtp_layers} and no mtp.* weights were loaded"
+        why = ("firstlight does not run DeepSeek-V3's MTP layer yet (its model.layers.{num_hidden_layers}.* "
+               "weights are skipped on load, as transformers does)" if cfg.model_type == "deepseek_v3" else
+               f"its config has {cfg.mtp_field} = {cfg.num_mtp_layers} and no mtp.* weights were loaded"
                if cfg.model_type in MTP_FIELDS else
                f"model type {cfg.model_type} has no multi-token-prediction layer (num_nextn_predict_layers / mtp.* weights)")
         raise FirstlightError(

@@ -43,6 +43,13 @@ adapters are in firstlight/verify/units.py):
     decode           the same with S = 1                                 the same
     decode_layer:<type>  x [B, S, E], cos, sin, mask, write_slots,       x' [B, S, E], kv_layer'
                      gather_slots, kv_layer [2, num_slots, Hkv, D]
+                     (a recurrent layer type: x, cos, sin, mask,          x', conv', rec'
+                     state_slots [B], conv, rec [num_state_slots, ...])
+
+A hybrid model's `prefill` / `decode` take three more inputs after kv, state_slots [B] (each row's
+recurrent state slot), conv [num_state_layers, num_state_slots, C, K-1] and rec [num_state_layers,
+num_state_slots, ...] (the engine's per-request states: runner.py `state_shapes`), and return conv'
+and rec' after kv'.
 
 `prefill` / `decode` are a whole forward through a paged KV cache, as a server runs it: the
 model's KV-cache protocol (firstlight/models/kv_cache.py) over a pool of slots, each row's keys

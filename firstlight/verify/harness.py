@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -37,7 +38,7 @@ from firstlight.verify.metrics import compare
 from firstlight.verify.nonfinite import first_nonfinite, json_safe
 from firstlight.verify.oplevel import culprit, replay
 from firstlight.verify.parity import ppl_token_count, teacher_forced
-from firstlight.verify.paths import PathRun, RefSeq, StepRunner, isolate_step, run_path, serve_plan
+from firstlight.verify.paths import PathRun, RefSeq, RefStates, StepRunner, isolate_step, run_path, serve_plan
 from firstlight.verify.refcache import ContinuationCache, ReferenceCacheWarning, continuation_key
 from firstlight.verify.tables import ReferenceTables, Tables, compare_scales, compare_tables
 from firstlight.verify.tolerance import TolerancePolicy
@@ -177,21 +178,40 @@ def _greedy(ref: nn.Module, ids: list[int], new_tokens: int) -> list[int]:
 
 def _reference_forward(ref: nn.Module, tokens: list[int], num_layers: int, mid: str,
                        sub_inputs: bool) -> dict[str, torch.Tensor]:
-    """One forward over `tokens` with boundary hooks: one fp32 tensor per boundary, and the logits."""
-    from transformers import DynamicCache
-
+    """One forward over `tokens` with boundary hooks: one fp32 tensor per boundary, the logits, and
+    what HF's cache holds after it (`_cached`)."""
     store: dict[str, torch.Tensor] = {}
     resolve = partial(hf_module_name, model_type=ref.config.model_type)
-    if is_hybrid(ref.config):  # recurrent layers need HF's own hybrid cache; the serving paths skip these models
-        with U.capture(ref, store, resolve, layers=num_layers, mid_norm=mid, sub_inputs=sub_inputs):
-            store["logits"] = ref(torch.tensor([tokens]), use_cache=False).logits.detach().float()
-        return store
-    cache = DynamicCache()  # no config: every layer keeps every key (the serving paths read them all)
+    cache = _hf_cache(ref)
     with U.capture(ref, store, resolve, layers=num_layers, mid_norm=mid, sub_inputs=sub_inputs):
         store["logits"] = ref(torch.tensor([tokens]), cache=cache, use_cache=True).logits.detach().float()
-    for i, layer in enumerate(cache.layers[:num_layers]):  # K after norm and rotary, V: [1, Hkv, S, D]
-        store[f"kv.{i}.k"], store[f"kv.{i}.v"] = layer.keys.detach().float(), layer.values.detach().float()
+    store.update(_cached(cache, num_layers))
     return store
+
+
+def _hf_cache(ref: nn.Module) -> Any:
+    """An empty HF cache. A hybrid model's is built from its config (K/V or recurrent states, by layer
+    kind); any other's without, so every layer keeps every key (the serving paths read them all)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=ref.config) if is_hybrid(ref.config) else DynamicCache()
+
+
+def _cached(cache: Any, num_layers: int) -> dict[str, torch.Tensor]:
+    """What an HF cache holds per layer, fp32: an attention layer's K (after norm and rotary) and V as
+    `kv.i.k`, `kv.i.v` [1, Hkv, S, D]; a recurrent layer's states as `state.i.conv`, the last K-1 conv
+    inputs [1, C, K-1] (HF keeps K, the oldest of which no later token reads), and `state.i.rec`
+    [1, ...] (Gated DeltaNet [Hv, Dk, Dv], Mamba-2 [H, P, N])."""
+    from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
+
+    out = {}
+    for i, layer in enumerate(cache.layers[:num_layers]):
+        if isinstance(layer, LinearAttentionLayer):
+            out[f"state.{i}.conv"] = layer.conv_states[0][..., 1:].detach().float()
+            out[f"state.{i}.rec"] = layer.recurrent_states[0].detach().float()
+        elif isinstance(layer, DynamicLayer):
+            out[f"kv.{i}.k"], out[f"kv.{i}.v"] = layer.keys.detach().float(), layer.values.detach().float()
+    return out
 
 
 def is_hybrid(config: Any) -> bool:
@@ -605,12 +625,8 @@ def _serving_paths(ref: nn.Module, tokens: list[int], ref_caps: dict[str, torch.
                    cfg: ModelConfig, cfg_v: VerifyConfig, policy: TolerancePolicy, num_layers: int, mid: str,
                    sub_inputs: bool) -> dict[str, tuple[dict[str, Any], tuple | None]]:
     """Run the decode and batch paths; per path (its record, the arguments to localize its failing step).
-
-    Hybrid models (linear-attention / SSM layers) are not run: the paged path carries KV blocks only,
-    not the recurrent state those layers need (docs/VERIFY.md)."""
+    A hybrid model's paths also carry each row's recurrent state, judged against HF's (`_reference_states`)."""
     out: dict[str, tuple[dict[str, Any], tuple | None]] = {}
-    if is_hybrid(ref.config):
-        return out
     seq_len = len(tokens)
     pool_shape = (num_layers, cfg.num_kv_heads, cfg.head_dim)
     kv_of = partial(_kv_of, num_layers=num_layers, convert=model_class(cfg).kv_from_reference)
@@ -626,15 +642,18 @@ def _serving_paths(ref: nn.Module, tokens: list[int], ref_caps: dict[str, torch.
         own = comp.compile(U.logits_unit(tmodel), (ids,))(ids)[0].float()  # the target's full forward
         refs.append(RefSeq(suffix, caps, kv_of(caps), own))
         rows, lengths = [0, 1, 0], [seq_len, len(suffix), seq_len // 2]
-    plans = [("serve", *serve_plan(refs, rows, lengths, num_decode, cfg_v.chunk_size, cfg_v.block_size))]
+    hybrid = bool(cfg.state_layers)
+    ref_states = _reference_states(ref, refs, num_layers) if hybrid else None
+    plans = [("serve", *serve_plan(refs, rows, lengths, num_decode, cfg_v.chunk_size, cfg_v.block_size,
+                                   uniform_rows=hybrid))]
     if not cfg_v.decode_steps and not cfg_v.batch_path:
         plans = []
     for name, layout, steps in plans:
-        run = run_path(name, layout, steps, refs, runner, ref_tables, pool_shape, policy)
+        run = run_path(name, layout, steps, refs, runner, ref_tables, pool_shape, policy, ref_states)
         loc = None
         k = run.failing_step
         if k is not None and run.record["steps"][k].get("tables_ok", True):
-            loc = (run, k, refs, runner, ref_tables)
+            loc = (run, k, refs, runner, ref_tables, ref_states)
         elif k is not None:  # the step's tables are wrong: blamed on the table, no op replay
             run.record["localization"] = {"step": k, **run.steps[k].describe(), "failing_unit": "tables",
                                           "table": run.record["first_bad_table"]}
@@ -643,16 +662,37 @@ def _serving_paths(ref: nn.Module, tokens: list[int], ref_caps: dict[str, torch.
 
 
 def _kv_of(caps: dict[str, torch.Tensor], num_layers: int, convert: Callable[..., tuple[torch.Tensor, torch.Tensor]],
-           ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The reference's cache entries per layer, in our cache's layout (`convert`: the family's
+           ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The reference's K/V of its attention layers, in the layout our cache holds (the model class's
     `kv_from_reference`; MLA caches one latent row where transformers keeps two tensors)."""
-    return [convert(caps[f"kv.{i}.k"], caps[f"kv.{i}.v"]) for i in range(num_layers)]
+    return {i: convert(caps[f"kv.{i}.k"], caps[f"kv.{i}.v"]) for i in range(num_layers) if f"kv.{i}.k" in caps}
 
 
-def _localize_step(run: PathRun, k: int, refs: list[RefSeq], runner: StepRunner, ref_tables: ReferenceTables, *,
-                   ref: nn.Module, target: Target, policy: TolerancePolicy, replay_ops: bool = True) -> dict[str, Any]:
+def _reference_states(ref: nn.Module, refs: list[RefSeq], num_layers: int) -> RefStates:
+    """HF's recurrent states of refs[r] after its first n tokens: from its hooked forward when n is all
+    of them, else from a forward over those n (a row that is a prefix of its sequence; the state before
+    a failing step). Memoized: the path's final check and the localization ask for the same ones."""
+    layers = [i for i in range(num_layers) if f"state.{i}.rec" in refs[0].caps]
+
+    @functools.cache
+    def states(r: int, n: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        seq = refs[r]
+        if n == len(seq.tokens):
+            caps = seq.caps
+        else:
+            hf_cache = _hf_cache(ref)
+            ref(torch.tensor([seq.tokens[:n]]), cache=hf_cache, use_cache=True)
+            caps = _cached(hf_cache, num_layers)
+        return {i: (caps[f"state.{i}.conv"][0], caps[f"state.{i}.rec"][0]) for i in layers}
+
+    return states
+
+
+def _localize_step(run: PathRun, k: int, refs: list[RefSeq], runner: StepRunner, ref_tables: ReferenceTables,
+                   ref_states: RefStates | None, *, ref: nn.Module, target: Target, policy: TolerancePolicy,
+                   replay_ops: bool = True) -> dict[str, Any]:
     """The failing step's units in isolation, then (`replay_ops`) the first failing one op by op."""
-    iso = isolate_step(run, k, refs, runner, ref_tables, policy)
+    iso = isolate_step(run, k, refs, runner, ref_tables, policy, ref_states)
     step = run.steps[k]
     summary: dict[str, Any] = {"step": k, **step.describe(), "units": iso.units, "failing_unit": iso.failing}
     first: dict[str, Any] | None = None
@@ -667,16 +707,21 @@ def _localize_step(run: PathRun, k: int, refs: list[RefSeq], runner: StepRunner,
     else:
         first = {"unit": None, "path": run.name, "step": k, "phase": step.phase,
                  "note": "every unit of the failing step is within tolerance on the reference's inputs, tables "
-                         "and K/V: the error comes from the cache the target built in earlier steps"}
+                         "and K/V (and recurrent states): the error comes from the cache the target built in "
+                         "earlier steps"}
     return {"summary": summary, "first": first, "ops": ops, "culprit": found}
 
 
 def _path_reason(name: str, rec: dict[str, Any]) -> str:
     k = rec["first_failing_step"]
-    if k is None:
+    if k is None and not rec["kv_cache"]["ok"]:
         kv = rec["kv_cache"]["first_bad"]
         return (f"{name} path: the K/V the target cached differs from the reference's and from its own one-shot "
                 f"prefill (layer {kv['layer']}, {kv['part']})")
+    if k is None:
+        st = rec["state"]["first_bad"]
+        return (f"{name} path: the recurrent state the target carried differs from the reference's and from its "
+                f"own one-shot prefill (layer {st['layer']}, {st['part']})")
     st = rec["steps"][k]
     fb = st.get("first_bad") or {}
     where = f" at row {fb['row']}, position {fb['position']}" if fb else ""

@@ -103,8 +103,9 @@ def serving_lines(result: dict[str, Any]) -> list[str]:
         steps = rec["steps"]
         worst = max((s["max_row_mean_kl"] for s in steps if s["max_row_mean_kl"] is not None), default=None)
         state = "ok" if rec["ok"] else "FAIL"
+        carried = f", recurrent state max rel L2 {_fmt(rec['state']['max_rel_l2'])}" if rec.get("state") else ""
         lines.append(f"{name} path ({len(steps)} steps, block {rec['block_size']}): {state}; worst row mean KL "
-                     f"{_fmt(worst)}, K/V cache max rel L2 {_fmt(rec['kv_cache']['max_rel_l2'])}")
+                     f"{_fmt(worst)}, K/V cache max rel L2 {_fmt(rec['kv_cache']['max_rel_l2'])}{carried}")
         loc = rec.get("localization")
         if loc:
             lines.append(f"    first failing step {loc['step']} ({loc['phase']}, positions {loc['positions']}): "

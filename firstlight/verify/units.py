@@ -253,6 +253,40 @@ class HeadAdapter(nn.Module):
         return h, self.model.compute_logits(h)
 
 
+class SlotStates:
+    """The recurrent-state half of the cache protocol (models/kv_cache.py) over per-row state slots,
+    without mutating them, as the engine's runner keeps them (runner.py `get_state` / `set_state`).
+
+    pools: (conv [num_state_layers, num_state_slots, C, K-1], recurrent [num_state_layers,
+    num_state_slots, ...]), one entry per recurrent layer in `layers` order; state_slots [B]: the slot
+    of each row (a scratch slot for a padding row, so it writes nothing any real row reads). A fresh
+    row's slot holds zeros, as the engine zeroes a request's slot before its first token. `single`:
+    the pools hold one layer, whatever index the mixer passes. `pools()` are the updated pools.
+    """
+
+    def __init__(self, pools: tuple[torch.Tensor, ...], state_slots: torch.Tensor, layers: tuple[int, ...] = (),
+                 single: bool = False) -> None:
+        self.state_pools, self.state_slots, self.layers, self.single = pools, state_slots, layers, single
+        self.written: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def _index(self, layer: int) -> int:
+        return 0 if self.single else self.layers.index(layer)
+
+    def get_state(self, layer: int) -> tuple[torch.Tensor, ...]:
+        i = self._index(layer)
+        return tuple(pool[i].index_select(0, self.state_slots) for pool in self.state_pools)
+
+    def set_state(self, layer: int, *state: torch.Tensor) -> None:
+        i = self._index(layer)
+        self.written[i] = tuple(pool[i].index_copy(0, self.state_slots, new.to(pool.dtype))
+                                for pool, new in zip(self.state_pools, state, strict=True))
+
+    def pools(self) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.stack([self.written[i][part] if i in self.written else pool[i]
+                                  for i in range(pool.shape[0])])
+                     for part, pool in enumerate(self.state_pools))
+
+
 class PagedKV:
     """The model's KV-cache protocol (models/kv_cache.py) over a slot pool, without mutating it.
 
@@ -261,12 +295,14 @@ class PagedKV:
     key_positions [B, L] (-1: no key there). `update` scatters with `index_copy` (out of place)
     and gathers with `index_select`, as the engine's paged cache does in place; `pool()` is the
     updated pool. `single`: the pool holds one layer, whatever index the attention passes.
+    `states` (hybrid models): the recurrent layers' state slots, read and written through it.
     """
 
     def __init__(self, pool: torch.Tensor, write_slots: torch.Tensor, gather_slots: torch.Tensor,
-                 key_positions: torch.Tensor | None = None, single: bool = False) -> None:
+                 key_positions: torch.Tensor | None = None, single: bool = False,
+                 states: SlotStates | None = None) -> None:
         self.kv, self.write_slots, self.gather_slots = pool, write_slots, gather_slots
-        self.key_positions, self.single = key_positions, single
+        self.key_positions, self.single, self.states = key_positions, single, states
         self.written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def begin(self, positions: torch.Tensor) -> torch.Tensor:
@@ -290,6 +326,14 @@ class PagedKV:
     def end(self) -> None:
         pass
 
+    def get_state(self, layer: int) -> tuple[torch.Tensor, ...]:
+        assert self.states is not None, "a recurrent layer ran without state slots"
+        return self.states.get_state(layer)
+
+    def set_state(self, layer: int, *state: torch.Tensor) -> None:
+        assert self.states is not None, "a recurrent layer ran without state slots"
+        self.states.set_state(layer, *state)
+
     def pool(self) -> torch.Tensor:
         layers = [torch.stack(self.written[i]) if i in self.written else self.kv[i] for i in range(self.kv.shape[0])]
         return torch.stack(layers)
@@ -299,26 +343,35 @@ class StepAdapter(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
+        self.state_layers = tuple(model.config.state_layers)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
-                gather_slots: torch.Tensor, key_positions: torch.Tensor,
-                kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids, positions: [B, S] → (logits [B, S, V], the pool with this step's K/V written)."""
-        cache = PagedKV(kv, write_slots, gather_slots, key_positions)
+                gather_slots: torch.Tensor, key_positions: torch.Tensor, kv: torch.Tensor,
+                *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """ids, positions: [B, S] → (logits [B, S, V], the pool with this step's K/V written). A hybrid
+        model also takes state_slots [B] and its state pools (`SlotStates`) and returns them updated."""
+        states = SlotStates(tuple(state[1:]), state[0], self.state_layers) if self.state_layers else None
+        cache = PagedKV(kv, write_slots, gather_slots, key_positions, states=states)
         logits = self.model(ids, positions, cache)
-        return logits, cache.pool()
+        return logits, cache.pool(), *(states.pools() if states is not None else ())
 
 
 class StepLayerAdapter(nn.Module):
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, recurrent: bool) -> None:
         super().__init__()
-        self.layer = layer
+        self.layer, self.recurrent = layer, recurrent
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                write_slots: torch.Tensor, gather_slots: torch.Tensor,
-                kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [B, S, E], kv: this layer's pool [2, num_slots, Hkv, D] → (layer output, updated pool)."""
+                *cached: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x: [B, S, E] and what the layer caches → (layer output, that cache updated): write_slots,
+        gather_slots and its pool kv [2, num_slots, Hkv, D]; or, for a recurrent layer, state_slots [B]
+        and its state pools [num_state_slots, ...] (one tensor per state, `SlotStates`)."""
         t = self.layer.layer_type
+        if self.recurrent:
+            states = SlotStates(tuple(c[None] for c in cached[1:]), cached[0], single=True)
+            out = self.layer(x, {t: (cos, sin)}, {t: mask}, states)
+            return out, *(p[0] for p in states.pools())
+        write_slots, gather_slots, kv = cached
         cache = PagedKV(kv[None], write_slots, gather_slots, single=True)
         out = self.layer(x, {t: (cos, sin)}, {t: mask}, cache)
         return out, cache.pool()[0]
@@ -401,9 +454,11 @@ def step_unit(model: nn.Module, phase: str = "prefill") -> Unit:
 
 
 def step_layer_unit(model: nn.Module, i: int, phase: str = "decode") -> Unit:
+    """One layer of a step: through its K/V pool, or its state slots for a recurrent layer."""
     layer = model.layers[i]
     key = f"decode_layer:{layer.layer_type}" if phase == "decode" else f"prefill_layer:{layer.layer_type}"
-    return Unit(StepLayerAdapter(layer), [layer], f"layers.{i}", key, "layer")
+    adapter = StepLayerAdapter(layer, recurrent=i in model.config.state_layers)
+    return Unit(adapter, [layer], f"layers.{i}", key, "layer")
 
 
 def tables_unit(model: nn.Module, dtype: torch.dtype) -> Unit:

@@ -25,6 +25,19 @@ With `rope_interleave` (V3's checkpoints) the rope dims of q and k come as inter
 (x2, x3), ...; they are de-interleaved to the half-split layout before the rotation, as transformers'
 `apply_rotary_pos_emb_interleave` does. Routing is moe.py's SigmoidGroupRouter; expert weights are stacked
 as in transformers (hf_names.py reads the checkpoint's one tensor per expert).
+
+MTP (V3 report sec. 2.2; vLLM's deepseek_mtp.py): the files keep each multi-token-prediction depth k as
+`model.layers.{num_hidden_layers + k}`: a MoE decoder layer's own weights beside `enorm`, `hnorm`,
+`eh_proj` and `shared_head.norm`. At position p, from the target's final (normed) hidden state h_p and
+the token after it:
+
+    x_p = layer(eh_proj([enorm(embed(t_{p+1})), hnorm(h_p)]))      # its own latent KV at p
+    logits(t_{p+2}) = lm_head(shared_head.norm(x_p))
+
+The embedding and the output head are the main model's (shared, as the report and DeepSeek's weight notes
+say); the copies the files keep (`embed_tokens`, `shared_head.head` of that layer) are not read.
+transformers skips the whole layer on load; our `mtp` holds it (hf_names.py maps `mtp.{i}.*` to
+`model.layers.{i}.*`).
 """
 
 from __future__ import annotations
@@ -35,7 +48,7 @@ from torch import nn
 
 from firstlight.models.config import FULL, ModelConfig
 from firstlight.models.kv_cache import KVCache
-from firstlight.models.layers import CausalLM, GatedMLP, RMSNorm, apply_rope
+from firstlight.models.layers import GatedMLP, MTPCausalLM, RMSNorm, apply_rope
 from firstlight.models.moe import Experts, SigmoidGroupRouter
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: transformers builds them with the default eps
@@ -156,9 +169,74 @@ class DeepseekV3Layer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DeepseekV3(CausalLM):
+class SharedHead(nn.Module):
+    """An MTP depth's `shared_head`: its final norm (its `head` is the main LM head, shared)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekV3MTPLayer(DeepseekV3Layer):
+    """One MTP depth (module docstring): a MoE decoder layer caching as layer `layer` (>= num_layers),
+    with the projection of [enorm(embedding) | hnorm(hidden)] in front and `shared_head.norm` behind."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__(cfg, layer, sparse=True)  # as every V3 layer past first_k_dense_replace
+        e, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.enorm = RMSNorm(e, eps)
+        self.hnorm = RMSNorm(e, eps)
+        self.eh_proj = nn.Linear(2 * e, e, bias=False)
+        self.shared_head = SharedHead(cfg)
+
+    def predict(
+        self,
+        hidden: torch.Tensor,
+        embeds: torch.Tensor,
+        rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        masks: dict[str, torch.Tensor | str | None],
+        cache: KVCache,
+    ) -> torch.Tensor:
+        """shared_head.norm(layer(eh_proj([enorm(embeds), hnorm(hidden)]))): [B, S, E]."""
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        return self.shared_head.norm(self(x, rope, masks, cache))
+
+
+class DeepseekV3MTP(nn.ModuleDict):
+    """The MTP depths, keyed by their layer index in the files (num_layers + k), as vLLM keys them."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        first = cfg.num_layers
+        super().__init__({str(first + k): DeepseekV3MTPLayer(cfg, first + k) for k in range(cfg.num_mtp_layers)})
+        self.first = first
+
+    def depth(self, step: int) -> DeepseekV3MTPLayer:
+        """The depth that MTP step `step` runs: step mod their count."""
+        layer = self[str(self.first + step % len(self))]
+        assert isinstance(layer, DeepseekV3MTPLayer)
+        return layer
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        embeds: torch.Tensor,
+        rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        masks: dict[str, torch.Tensor | str | None],
+        cache: KVCache,
+        step: int = 0,
+    ) -> torch.Tensor:
+        """The step's depth over hidden [B, S, E] and the next tokens' embeddings [B, S, E] → [B, S, E]."""
+        return self.depth(step).predict(hidden, embeds, rope, masks, cache)
+
+    def step_modules(self, step: int = 0) -> tuple[nn.Module, ...]:
+        """What one MTP step reads besides the LM head: its depth (decoder layer and projection)."""
+        return (self.depth(step),)
+
+
+class DeepseekV3(MTPCausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg, DeepseekV3Layer, RMSNorm)
+        self.mtp = DeepseekV3MTP(cfg) if cfg.num_mtp_layers else None
 
     @staticmethod
     def kv_from_reference(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,8 @@
     linear_attn.in_proj_{qkv,z,b,a}       →  linear_attn.in_proj                (Qwen3.5's Gated DeltaNet)
     mixer.{q,k,v}_proj                    →  mixer.qkv_proj                     (Nemotron-H's attention)
    A family may name the embedding and the final norm otherwise (`model_type`): Nemotron-H's are
-   `embeddings` and `norm_f` (ours: `embed_tokens`, `norm`). Everything else keeps its HF name; routed experts are stacked in memory by transformers as by us
+   `embeddings` and `norm_f` (ours: `embed_tokens`, `norm`); DeepSeek-V3's MTP depths (ours: `mtp.{i}`, i
+   their layer index in the files) are `model.layers.{i}`. Everything else keeps its HF name; routed experts are stacked in memory by transformers as by us
    (`mlp.experts.gate_up_proj` [X, 2I, E], `mlp.experts.down_proj` [X, E, I]).
 
 2. In-memory ↔ checkpoint-file names (`checkpoint_names`): transformers 5 converts at load time, and
@@ -45,7 +46,7 @@ FUSED = {
     "mixer.qkv_proj": ("mixer.q_proj", "mixer.k_proj", "mixer.v_proj"),
 }
 # model_type -> {our top-level module: its HF name}
-TOP_RENAMES = {"nemotron_h": {"embed_tokens": "embeddings", "norm": "norm_f"}}
+TOP_RENAMES = {"nemotron_h": {"embed_tokens": "embeddings", "norm": "norm_f"}, "deepseek_v3": {"mtp": "layers"}}
 # Tensors some checkpoints carry that are derived at run time, not weights.
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 

@@ -369,3 +369,36 @@ class CausalLM(nn.Module):
             return key_positions[t] if isinstance(key_positions, dict) else key_positions
         masks = {t: attention_mask(positions, keys(t), window[t], allow_shortcuts) for t in self.inv_freq}
         return self._alias_state_layers(masks)
+
+
+class MTPCausalLM(CausalLM):
+    """A CausalLM whose checkpoint may ship native multi-token-prediction (MTP) layers (DeepSeek-V3
+    report, arXiv:2412.19437 sec. 2.2): `self.mtp` is None without them, else the family's module with
+
+        forward(hidden, embeds, rope, masks, cache, step) -> its normed output [B, S, E]
+        step_modules(step) -> the modules one MTP step reads (besides the shared LM head)
+
+    The MTP layers cache K/V as layers num_layers, num_layers + 1, ... (after the target's own)."""
+
+    mtp: nn.Module | None
+
+    def forward_mtp(
+        self,
+        hidden: torch.Tensor,
+        next_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | None = None,
+        step: int = 0,
+    ) -> torch.Tensor:
+        """hidden: the final (normed) hidden states [B, S, E] at `positions` [B, S]; next_ids [B, S]:
+        the token after each → the MTP layer's normed output [B, S, E] (feed `compute_logits`, the
+        target's LM head, which the MTP layers share). `step` picks the layer (step mod their count)."""
+        if self.mtp is None:
+            raise ValueError(f"this checkpoint has no MTP layer (config field '{self.config.mtp_field}' is 0)")
+        cache = NoCache() if cache is None else cache
+        key_positions = cache.begin(positions)
+        rope = self.rope_tables(positions, hidden.dtype)
+        masks = self.masks(positions, key_positions, allow_shortcuts=True)
+        out = self.mtp(hidden, self.embed(next_ids), rope, masks, cache, step)
+        cache.end()
+        return out

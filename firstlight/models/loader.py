@@ -179,7 +179,7 @@ def load_model(
             )
     if cfg.tie_word_embeddings:
         used.add("lm_head.weight")
-    extra = sorted(n for n in tensors.names() - used if not IGNORED.match(n) and not _skipped_mtp(n, cfg))
+    extra = sorted(n for n in tensors.names() - used if not IGNORED.match(n) and not _shared_mtp_copy(n, cfg))
     if extra:
         raise ModelLoadError(f"{ckpt}: checkpoint has tensors the {cfg.model_type} config does not use: {', '.join(extra[:5])}")
     with torch.no_grad():
@@ -191,22 +191,32 @@ def load_model(
 
 
 def _with_mtp_layers(cfg: ModelConfig, names: set[str]) -> ModelConfig:
-    """Hub Qwen3-Next / Qwen3.5 configs may omit the MTP layer count (`num_nextn_predict_layers`,
-    `mtp_num_hidden_layers`) while the files carry `mtp.layers.i.*`: count them, so the MTP weights load
-    (and are checked like every other tensor) instead of being rejected."""
-    if cfg.model_type not in MTP_FIELDS or cfg.num_mtp_layers:
+    """The MTP layer count the files back. Hub Qwen3-Next / Qwen3.5 configs may omit it
+    (`num_nextn_predict_layers`, `mtp_num_hidden_layers`) while the files carry the layers: count them, so
+    the MTP weights load (and are checked like every other tensor) instead of being rejected. Files with
+    no MTP tensor at all (conversions often drop DeepSeek-V3's) load without MTP whatever the config
+    says; `--speculative mtp` then names the field. Some MTP tensors but not all: a missing-tensor error."""
+    if cfg.model_type not in MTP_FIELDS:
         return cfg
-    found = {int(n.split(".")[2]) for n in names if n.startswith("mtp.layers.")}
-    return dataclasses.replace(cfg, num_mtp_layers=max(found) + 1) if found else cfg
+    if cfg.model_type == "deepseek_v3":  # its files keep MTP depth k as model.layers.{num_layers + k}
+        found = {int(m.group(1)) - cfg.num_layers for n in names
+                 if (m := LAYER_FILE.match(n)) and int(m.group(1)) >= cfg.num_layers}
+    else:
+        found = {int(n.split(".")[2]) for n in names if n.startswith("mtp.layers.")}
+    if not found:
+        return dataclasses.replace(cfg, num_mtp_layers=0)
+    return cfg if cfg.num_mtp_layers else dataclasses.replace(cfg, num_mtp_layers=max(found) + 1)
 
 
-MTP_LAYER_FILE = re.compile(r"^model\.layers\.(\d+)\.")
+LAYER_FILE = re.compile(r"^model\.layers\.(\d+)\.")
+SHARED_MTP_COPY = re.compile(r"^model\.layers\.(\d+)\.(?:embed_tokens|shared_head\.head)\.weight$")
 
 
-def _skipped_mtp(name: str, cfg: ModelConfig) -> bool:
-    """A tensor of DeepSeek-V3's MTP layers, which its files keep as `model.layers.{num_hidden_layers + i}`:
-    not loaded (firstlight runs no DeepSeek-V3 MTP layer yet), as transformers skips them on load."""
-    m = MTP_LAYER_FILE.match(name) if cfg.model_type == "deepseek_v3" else None
+def _shared_mtp_copy(name: str, cfg: ModelConfig) -> bool:
+    """DeepSeek-V3's files keep copies of the embedding and LM head in each MTP layer
+    (`model.layers.{num_hidden_layers + k}.embed_tokens` / `.shared_head.head`); the MTP layers share
+    the main model's (V3 report sec. 2.2), so the copies are not read."""
+    m = SHARED_MTP_COPY.match(name) if cfg.model_type == "deepseek_v3" else None
     return m is not None and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + cfg.num_mtp_layers
 
 
@@ -215,8 +225,6 @@ def _check_expert_count(ckpt: Path, cfg: ModelConfig, tensors: _Tensors) -> None
     tensors counted, stacked ones by their first dim."""
     found: dict[int, int] = {}
     for n in tensors.names():
-        if _skipped_mtp(n, cfg):
-            continue
         m = EXPERT_FILE_INDEX.match(n)
         if m:
             layer, expert = int(m.group(1)), int(m.group(2))

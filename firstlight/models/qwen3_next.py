@@ -24,8 +24,8 @@ from torch import nn
 
 from firstlight.models.config import FULL, LINEAR, ModelConfig
 from firstlight.models.gated_deltanet import GatedDeltaNet
-from firstlight.models.kv_cache import KVCache, NoCache
-from firstlight.models.layers import Attention, CausalLM, GemmaRMSNorm
+from firstlight.models.kv_cache import KVCache
+from firstlight.models.layers import Attention, GemmaRMSNorm, MTPCausalLM
 from firstlight.models.moe import SparseMoE, mlp_for_layer
 
 
@@ -74,31 +74,25 @@ class MTP(nn.Module):
         )
         self.norm = GemmaRMSNorm(e, eps)
 
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        embeds: torch.Tensor,
+        rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        masks: dict[str, torch.Tensor | str | None],
+        cache: KVCache,
+        step: int = 0,
+    ) -> torch.Tensor:
+        """norm(layer(fc([norm_e(embeds), norm_h(hidden)]))), the layer picked by step mod their count."""
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        return self.norm(self.layers[step % len(self.layers)](x, rope, masks, cache))
 
-class Qwen3Next(CausalLM):
+    def step_modules(self, step: int = 0) -> tuple[nn.Module, ...]:
+        """What one MTP step reads besides the LM head: fc and the step's layer."""
+        return self.fc, self.layers[step % len(self.layers)]
+
+
+class Qwen3Next(MTPCausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg, Qwen3NextLayer, GemmaRMSNorm)
         self.mtp = MTP(cfg) if cfg.num_mtp_layers else None
-
-    def forward_mtp(
-        self,
-        hidden: torch.Tensor,
-        next_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: KVCache | None = None,
-        step: int = 0,
-    ) -> torch.Tensor:
-        """hidden: the final (normed) hidden states [B, S, E] at `positions` [B, S]; next_ids [B, S]:
-        the token after each → the MTP layer's normed output [B, S, E] (feed `compute_logits`)."""
-        if self.mtp is None:
-            raise ValueError(f"this checkpoint has no MTP layer (config field '{self.config.mtp_field}' is 0)")
-        mtp = self.mtp
-        cache = NoCache() if cache is None else cache
-        e = mtp.pre_fc_norm_embedding(self.embed(next_ids))
-        x = mtp.fc(torch.cat([e, mtp.pre_fc_norm_hidden(hidden)], dim=-1))  # [B, S, E]
-        key_positions = cache.begin(positions)
-        rope = self.rope_tables(positions, x.dtype)
-        masks = self.masks(positions, key_positions, allow_shortcuts=True)
-        x = mtp.layers[step % len(mtp.layers)](x, rope, masks, cache)
-        cache.end()
-        return mtp.norm(x)

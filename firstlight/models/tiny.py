@@ -114,13 +114,14 @@ TINY: dict[str, dict[str, Any]] = {
     # MLA with a q bottleneck and interleaved rope dims, v_head_dim unlike qk_nope_head_dim; YaRN with an
     # mscale and mscale_all_dim that both bite (cos/sin scale and softmax scale), over a 32-token original
     # context (max_position_embeddings = factor x it, as DeepSeek-V3's); one dense layer, then DeepSeek-V3 routing over 4 groups of 2 experts (top 2 groups, top 3
-    # experts, a random correction bias) with two shared experts' worth of shared MLP
+    # experts, a random correction bias) with two shared experts' worth of shared MLP; one MTP layer (added by
+    # `_add_mtp_weights` as the hub lays it out, `model.layers.4.*`)
     "deepseek_v3": {
         "tie_word_embeddings": False, "num_key_value_heads": 4, "head_dim": 8,
         "q_lora_rank": 32, "kv_lora_rank": 24, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
         "rope_interleave": True, "first_k_dense_replace": 1, "n_routed_experts": 8, "n_group": 4,
         "topk_group": 2, "num_experts_per_tok": 3, "moe_intermediate_size": 32, "n_shared_experts": 2,
-        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "num_nextn_predict_layers": 0,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "num_nextn_predict_layers": 1,
         "max_position_embeddings": 128,
         "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                             "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -219,17 +220,24 @@ def _hf_model(cfg: dict[str, Any]) -> torch.nn.Module:
 
 @torch.no_grad()
 def _add_mtp_weights(out: Path, cfg: dict[str, Any], seed: int) -> None:
-    """transformers has no MTP module: write `mtp.*` as the hub checkpoints lay it out (fc, two pre-fc
-    norms, full-attention decoder layers, a norm), the layers drawn by a one-layer HF model."""
+    """transformers has no MTP module: write the MTP layers as the hub checkpoints lay them out, the
+    decoder layers drawn by an HF model of that many layers. Qwen3-Next / Qwen3.5: `mtp.*` (fc, two pre-fc
+    norms, full-attention layers `mtp.layers.i`, a norm). DeepSeek-V3: depth k as `model.layers.{N + k}`
+    (N = num_hidden_layers), a MoE layer beside `eh_proj`, `enorm`, `hnorm`, `shared_head.norm` and the
+    copies of the embedding and LM head that the hub files carry (`embed_tokens`, `shared_head.head`)."""
     import tempfile
 
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     family = cfg["model_type"]
-    n = int(cfg[MTP_FIELDS[family]])
-    one = {**cfg, "model_type": TEXT_MODEL_TYPES.get(family, family), "num_hidden_layers": n,
-           "layer_types": ["full_attention"] * n}
+    deepseek = family == "deepseek_v3"
+    n, first = int(cfg[MTP_FIELDS[family]]), cfg["num_hidden_layers"]
+    one = {**cfg, "model_type": TEXT_MODEL_TYPES.get(family, family), "num_hidden_layers": n}
+    if deepseek:
+        one["first_k_dense_replace"] = 0  # MoE, as the main layers past the dense ones
+    else:
+        one["layer_types"] = ["full_attention"] * n
     if "mlp_only_layers" in cfg:
         one["mlp_only_layers"] = []
     layer_model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**one), dtype=torch.float32)
@@ -241,10 +249,21 @@ def _add_mtp_weights(out: Path, cfg: dict[str, Any], seed: int) -> None:
         layer_model.save_pretrained(tmp, safe_serialization=True)
         for name, t in load_file(Path(tmp) / "model.safetensors").items():
             if name.startswith("model.layers."):
-                tensors["mtp." + name.removeprefix("model.")] = t
-    tensors["mtp.fc.weight"] = torch.randn(e, 2 * e, generator=gen) / math.sqrt(2 * e)
-    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        tensors[f"mtp.{norm}.weight"] = 0.2 * torch.randn(e, generator=gen)
+                i, rest = name.removeprefix("model.layers.").split(".", 1)
+                tensors[f"model.layers.{first + int(i)}.{rest}" if deepseek else f"mtp.layers.{i}.{rest}"] = t
+    if deepseek:
+        head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+        for k in range(n):
+            layer = f"model.layers.{first + k}."
+            tensors[layer + "eh_proj.weight"] = torch.randn(e, 2 * e, generator=gen) / math.sqrt(2 * e)
+            for norm in ("enorm", "hnorm", "shared_head.norm"):
+                tensors[f"{layer}{norm}.weight"] = 1 + 0.2 * torch.randn(e, generator=gen)
+            tensors[layer + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+            tensors[layer + "shared_head.head.weight"] = head.clone()
+    else:
+        tensors["mtp.fc.weight"] = torch.randn(e, 2 * e, generator=gen) / math.sqrt(2 * e)
+        for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):  # Gemma-style: scale 1 + w
+            tensors[f"mtp.{norm}.weight"] = 0.2 * torch.randn(e, generator=gen)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
 
 

@@ -67,3 +67,14 @@ def chunked_prefill_error(ours: CausalLM, ids: torch.Tensor, chunk: int) -> floa
         stop = min(seq, start + chunk)
         parts.append(ours(ids[:, start:stop], torch.arange(start, stop).expand(batch, -1), cache))
     return (torch.cat(parts, dim=1) - full).abs().max().item()
+
+
+def tensor_from_files(files: dict[str, torch.Tensor], name: str, family: str, num_experts: int) -> torch.Tensor:
+    """The in-memory HF tensor `name` built from hub-layout file tensors (one tensor per expert stacked),
+    for the MTP layers transformers does not load, rebuilt from its modules."""
+    from firstlight.models.hf_names import checkpoint_names
+
+    names = [name] if name in files else checkpoint_names(name, family, num_experts)
+    if isinstance(names[0], list):  # per-expert files, stacked
+        return torch.stack([torch.cat([files[n] for n in group]) for group in names])
+    return files[names[0]]

@@ -1,7 +1,8 @@
 """DeepSeek-V3: the config's derived fields and its bad inputs named, the checkpoint's names, the MLA cache
 (one latent row per token, the same values transformers caches), variants of the layer (no q bottleneck,
-plain rope, biases, one expert group) against transformers, the MTP layers the files carry skipped, and a
-hub-shaped config agreeing with `firstlight sim`. Logit parity, greedy, incremental and chunked prefill of
+plain rope, biases, one expert group) against transformers, a hub-shaped config agreeing with `firstlight
+sim`, and the MTP layer (loaded from the files' `model.layers.{N}`, against a rebuild from transformers'
+modules, `--speculative mtp` in the engine, missing MTP weights named). Logit parity, greedy, incremental and chunked prefill of
 the default tiny checkpoint run in test_parity.py with every family."""
 
 from __future__ import annotations
@@ -103,6 +104,12 @@ def test_checkpoint_names():
     assert hf_name("layers.2.mlp.gate.e_score_correction_bias", DS) == ["model.layers.2.mlp.gate.e_score_correction_bias"]
     assert checkpoint_names("model.layers.2.mlp.experts.gate_up_proj", DS, 2) == [
         [f"model.layers.2.mlp.experts.{i}.{p}_proj.weight" for p in ("gate", "up")] for i in range(2)]
+    # the MTP depths: ours `mtp.{i}`, the files' `model.layers.{i}` (i >= num_hidden_layers)
+    assert hf_name("mtp.4.eh_proj.weight", DS) == ["model.layers.4.eh_proj.weight"]
+    assert hf_name("mtp.4.shared_head.norm.weight", DS) == ["model.layers.4.shared_head.norm.weight"]
+    assert hf_name("mtp.4.mlp.shared_experts.gate_up_proj.weight", DS) == [
+        "model.layers.4.mlp.shared_experts.gate_proj.weight", "model.layers.4.mlp.shared_experts.up_proj.weight"]
+    assert hf_module_name("mtp.4.self_attn", DS) == "model.layers.4.self_attn"
 
 
 @torch.no_grad()
@@ -165,30 +172,120 @@ def test_routing_groups_and_bias_are_read(tiny_dirs):
         assert not torch.equal(router(x)[1].sort(-1).values, experts.sort(-1).values)
 
 
-def test_mtp_layers_in_the_files_are_skipped(tiny_dirs, tmp_path):
-    """DeepSeek-V3 files keep their MTP layer as `model.layers.{num_hidden_layers}`: skipped on load, as
-    transformers does; a layer beyond the MTP count is still an unused tensor, named."""
+def test_mtp_layer_loads_from_the_files_layout(tiny_dirs, tmp_path):
+    """The tiny checkpoint carries its MTP layer as the hub does (`model.layers.4.*`, with copies of the
+    embedding and LM head, which are not read); a layer beyond the MTP count is an unused tensor, named."""
     from safetensors.torch import load_file, save_file
 
+    model, _ = load_model(tiny_dirs[DS], with_tokenizer=False)
+    assert model.config.num_mtp_layers == 1 and len(model.layers) == 4 and list(model.mtp) == ["4"]
+    depth = model.mtp.depth(0)
+    assert type(depth.mlp).__name__ == "DeepseekV3MoE" and depth.self_attn.layer == 4  # caches as layer 4
+    assert {n.split(".")[1] for n, _ in model.mtp.named_parameters()} >= {"enorm", "hnorm", "eh_proj", "shared_head"}
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_dirs[DS], ckpt)
-    cfg = json.loads((ckpt / "config.json").read_text())
-    (ckpt / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
     tensors = load_file(ckpt / "model.safetensors")
-    tensors["model.layers.4.eh_proj.weight"] = torch.zeros(64, 128)
-    tensors["model.layers.4.mlp.experts.0.down_proj.weight"] = torch.zeros(64, 32)
-    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
-    model, _ = load_model(ckpt, with_tokenizer=False)
-    assert getattr(model, "mtp", None) is None and len(model.layers) == 4
     tensors["model.layers.5.enorm.weight"] = torch.zeros(64)
     save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="does not use: model.layers.5.enorm.weight"):
         load_model(ckpt, with_tokenizer=False)
 
 
+@torch.no_grad()
+def test_mtp_matches_a_rebuild_from_transformers_modules(tiny_dirs):
+    """transformers skips the MTP layer on load, so verify has no reference for it. Instead: the layer
+    rebuilt from transformers' own modules (DeepseekV3DecoderLayer at index N, DeepseekV3RMSNorm, a plain
+    eh_proj) with the weights read from the checkpoint file, composed as vLLM's deepseek_mtp.py does:
+    head(shared_head.norm(layer(eh_proj([enorm(embed(t+1)), hnorm(hidden_t)])))), embedding and head the
+    file's copies in that layer. Ours also with a KV cache, prefill then one token at a time."""
+    from safetensors.torch import load_file
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+
+    from tests.models.parity import tensor_from_files
+
+    ckpt = tiny_dirs[DS]
+    ref = hf_reference(ckpt)
+    model, _ = load_model(ckpt, with_tokenizer=False)
+    files = load_file(ckpt / "model.safetensors")
+    cfg = ref.config
+    n, e = cfg.num_hidden_layers, cfg.hidden_size
+    layer = DeepseekV3DecoderLayer(cfg, n).eval()
+    assert type(layer.mlp).__name__ == "DeepseekV3MoE"
+    layer.load_state_dict({k: tensor_from_files(files, f"model.layers.{n}.{k}", DS, cfg.n_routed_experts)
+                           for k in layer.state_dict()})
+    norms = {k: DeepseekV3RMSNorm(e, eps=cfg.rms_norm_eps) for k in ("enorm", "hnorm", "shared_head.norm")}
+    for k, norm in norms.items():
+        norm.load_state_dict({"weight": files[f"model.layers.{n}.{k}.weight"]})
+    eh_proj = torch.nn.Linear(2 * e, e, bias=False)
+    eh_proj.load_state_dict({"weight": files[f"model.layers.{n}.eh_proj.weight"]})
+    embed = torch.nn.Embedding.from_pretrained(files[f"model.layers.{n}.embed_tokens.weight"])
+    head = files[f"model.layers.{n}.shared_head.head.weight"]
+
+    ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(8)[None].expand(2, -1)
+    hidden = model.forward_hidden(ids, torch.arange(9)[None].expand(2, -1))[:, :-1]  # final normed states
+    ours = model.forward_mtp(hidden, ids[:, 1:], pos)
+    x = eh_proj(torch.cat([norms["enorm"](embed(ids[:, 1:])), norms["hnorm"](hidden)], dim=-1))
+    x = layer(x, position_embeddings=ref.model.rotary_emb(x, pos), attention_mask=None, position_ids=pos)
+    theirs = norms["shared_head.norm"](x)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(model.compute_logits(ours), theirs @ head.T, rtol=1e-4, atol=1e-4)
+
+    cfg_ours = model.config
+    cache = ContiguousKVCache(n + 1, 2, cfg_ours.num_kv_heads, cfg_ours.head_dim, 8)  # the MTP layer: index n
+    steps = [model.forward_mtp(hidden[:, :5], ids[:, 1:6], pos[:, :5], cache)]
+    steps += [model.forward_mtp(hidden[:, p : p + 1], ids[:, p + 1 : p + 2], pos[:, p : p + 1], cache) for p in (5, 6, 7)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), ours, rtol=1e-4, atol=1e-5)
+    assert cache.k[n].abs().sum() > 0 and all(cache.k[i].abs().sum() == 0 for i in range(n))
+
+
+def test_mtp_speculation_keeps_greedy_output(tiny_checkpoint):
+    """`--speculative mtp` with the checkpoint's MTP layer: 6 staggered prompts, chunked prefill next to
+    verify passes, k = 3; tokens identical to the engine without speculation."""
+    from firstlight.engine.speculative.config import SpecConfig
+    from tests.engine.test_engine import prompts, run_staggered
+    from tests.speculative.test_mtp import GREEDY, _engine, _tokens
+
+    model, tok = load_model(tiny_checkpoint(DS, seed=2))
+    plain = _tokens(run_staggered(_engine(model, tok, None), prompts(6, seed=4), GREEDY))
+    engine = _engine(model, tok, SpecConfig("mtp", num_spec_tokens=3))
+    assert _tokens(run_staggered(engine, prompts(6, seed=4), GREEDY)) == plain
+    assert engine.spec.stats.num_drafts > 20 and engine.kv.num_used_blocks == 0
+
+
+def test_missing_mtp_weights_are_named(tiny_dirs, tmp_path):
+    """Files without the MTP layer (conversions drop it, the config still says 1) load the main model, and
+    `--speculative mtp` names the field and the missing layer; so does a config with 0 MTP layers. Files
+    with part of the layer fail to load, naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from firstlight.engine.speculative.config import SpecConfig
+    from firstlight.errors import FirstlightError
+    from tests.speculative.test_mtp import _engine
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_dirs[DS], ckpt)
+    tensors = load_file(ckpt / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if not k.startswith("model.layers.4.")}, ckpt / "model.safetensors",
+              metadata={"format": "pt"})
+    model, tok = load_model(ckpt)
+    assert model.mtp is None
+    with pytest.raises(FirstlightError, match=r"num_nextn_predict_layers = 1 and no model\.layers\.4\.\* weights"):
+        _engine(model, tok, SpecConfig("mtp"))
+    no_mtp, tok = load_model(write_tiny_checkpoint(tmp_path / "no-mtp", DS, seed=1, num_nextn_predict_layers=0))
+    with pytest.raises(FirstlightError, match=r"num_nextn_predict_layers = 0 and no model\.layers\.4\.\* weights"):
+        _engine(no_mtp, tok, SpecConfig("mtp"))
+    save_file({k: v for k, v in tensors.items() if k != "model.layers.4.eh_proj.weight"}, ckpt / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"tensor model.layers.4.eh_proj.weight is missing"):
+        load_model(ckpt, with_tokenizer=False)
+
+
 def test_hub_config_agrees_with_the_simulator():
     """DeepSeek-V3's config (the simulator's preset) builds on the meta device with the simulator's
-    parameter count (671B without MTP), and our cache keeps its KV bytes per token (61 x 576 values)."""
+    parameter count (671B without MTP), and our cache keeps its KV bytes per token (61 x 576 values). With
+    its MTP layer: the 11.5B unique MTP parameters of DeepSeek's weight notes, 685B with the files' copies
+    of the embedding and head."""
     from firstlight.models.loader import model_class
     from firstlight.sim.model import load_model as sim_model
     from firstlight.sim.presets import PRESETS
@@ -203,12 +300,9 @@ def test_hub_config_agrees_with_the_simulator():
     assert ours == pytest.approx(sim.num_params(), rel=1e-3)
     cache_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2  # K and V halves, bf16
     assert cache_bytes == sim.kv_bytes_per_token() == 61 * 576 * 2
-
-
-def test_mtp_speculation_on_deepseek_v3_is_a_clear_error(tiny_dirs):
-    from firstlight.engine.speculative.mtp import check_has_mtp
-    from firstlight.errors import FirstlightError
-
-    model, _ = load_model(tiny_dirs[DS], with_tokenizer=False)
-    with pytest.raises(FirstlightError, match="does not run DeepSeek-V3's MTP layer yet"):
-        check_has_mtp(model)
+    with_mtp = ModelConfig.from_hf({**PRESETS["deepseek-v3"], "num_nextn_predict_layers": 1})
+    with torch.device("meta"):
+        mtp = sum(p.numel() for p in model_class(with_mtp)(with_mtp).mtp.parameters())
+    copies = 2 * cfg.vocab_size * cfg.hidden_size  # model.layers.61.embed_tokens and .shared_head.head
+    assert mtp / 1e9 == pytest.approx(11.6, abs=0.1)
+    assert (ours + mtp + copies) / 1e9 == pytest.approx(685, abs=1)

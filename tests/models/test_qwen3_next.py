@@ -106,8 +106,8 @@ def check_mtp_against_transformers_modules(ckpt, family: str) -> None:
     the MTP layer rebuilt from transformers' own modules of the family (a full-attention MoE decoder
     layer, Gemma-style RMSNorms, a plain fc), with the `mtp.*` weights read from the checkpoint file,
     composed as vLLM's qwen3_next_mtp.py does: norm(layer(fc([norm_e(embed(t+1)), norm_h(hidden_t)])))."""
-    from firstlight.models.hf_names import checkpoint_names
     from firstlight.verify.harness import load_reference
+    from tests.models.parity import tensor_from_files
 
     ref = load_reference(ckpt)
     model, _ = load_model(ckpt, with_tokenizer=False)
@@ -120,13 +120,8 @@ def check_mtp_against_transformers_modules(ckpt, family: str) -> None:
              ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
     fc = torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
 
-    def from_file(hf: str) -> torch.Tensor:  # the in-memory HF tensor, from the hub-layout file
-        names = [hf] if hf in files else checkpoint_names("model." + hf, family, cfg.num_experts)
-        if isinstance(names[0], list):  # per-expert files, stacked
-            return torch.stack([torch.cat([files[n.removeprefix("model.")] for n in g]) for g in names])
-        return files[names[0].removeprefix("model.")]
-
-    layer.load_state_dict({n: from_file(f"mtp.layers.0.{n}") for n in layer.state_dict()})
+    layer.load_state_dict({n: tensor_from_files(files, f"mtp.layers.0.{n}", family, cfg.num_experts)
+                           for n in layer.state_dict()})
     for n, mod in norms.items():
         mod.load_state_dict({"weight": files[f"mtp.{n}.weight"]})
     fc.load_state_dict({"weight": files["mtp.fc.weight"]})

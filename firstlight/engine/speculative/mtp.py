@@ -2,7 +2,8 @@
 DeepSeek-V3 sec. 2.2; vLLM's `--speculative-config '{"method": "mtp"}'`).
 
 The MTP layer at position p reads the target's final (normed) hidden state h_p and the embedding of
-the token after it, and predicts the token after that (models/qwen3_next.py, `forward_mtp`):
+the token after it, and predicts the token after that (models/layers.py `MTPCausalLM.forward_mtp`; the
+layers themselves: qwen3_next.py `MTP`, deepseek_v3.py `DeepseekV3MTP`):
 
     x_p = layer(fc([norm_e(embed(t_{p+1})), norm_h(h_p)]))      # its own full-attention KV at p
     logits(t_{p+2}) = lm_head(norm(x_p))
@@ -47,14 +48,14 @@ def check_has_mtp(target: Any) -> None:
     """Raise a FirstlightError a user can act on when the target carries no MTP layer."""
     cfg = target.config
     if getattr(target, "mtp", None) is None:
-        why = ("firstlight does not run DeepSeek-V3's MTP layer yet (its model.layers.{num_hidden_layers}.* "
-               "weights are skipped on load, as transformers does)" if cfg.model_type == "deepseek_v3" else
-               f"its config has {cfg.mtp_field} = {cfg.num_mtp_layers} and no mtp.* weights were loaded"
-               if cfg.model_type in MTP_FIELDS else
-               f"model type {cfg.model_type} has no multi-token-prediction layer (num_nextn_predict_layers / mtp.* weights)")
+        if cfg.model_type in MTP_FIELDS:
+            files = f"model.layers.{cfg.num_layers}.*" if cfg.model_type == "deepseek_v3" else "mtp.*"
+            why = f"its config has {cfg.mtp_field} = {cfg.hf.get(cfg.mtp_field) or 0} and no {files} weights were loaded"
+        else:
+            why = f"model type {cfg.model_type} has no multi-token-prediction layer (num_nextn_predict_layers / mtp.* weights)"
         raise FirstlightError(
-            f"--speculative mtp needs a checkpoint with an MTP layer, but {why}; use a checkpoint that ships "
-            "its mtp.* weights (e.g. Qwen3-Next, Qwen3.5-MoE) or another method (--speculative ngram)"
+            f"--speculative mtp needs a checkpoint with an MTP layer, but {why}; use a checkpoint that ships its "
+            "MTP weights (e.g. Qwen3-Next, Qwen3.5-MoE, DeepSeek-V3) or another method (--speculative ngram)"
         )
 
 
@@ -71,7 +72,7 @@ class MTPProposer(Proposer):
         self.device = p.device
         self.pool = DraftKVPool(1, cfg.num_kv_heads, cfg.head_dim, p.dtype, p.device, first_layer=cfg.num_layers)
         # one draft token reads the MTP layer and the LM head (memory-bound estimate, target 1-token passes)
-        self.token_cost = module_bytes(target.mtp.fc, target.mtp.layers[0], target.lm_head) / decode_bytes(target)
+        self.token_cost = module_bytes(*target.mtp.step_modules(0), target.lm_head) / decode_bytes(target)
 
     @classmethod
     def from_config(cls, cfg: SpecConfig, target: Any, tokenizer: Any) -> MTPProposer:

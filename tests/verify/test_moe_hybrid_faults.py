@@ -24,6 +24,9 @@ def test_eager_matches_reference(tiny_dirs, references, family):
 PLANTED = [
     pytest.param("mixtral", Fault("noise", op="aten._grouped_mm", layer=1, value=0.2),
                  "aten._grouped_mm", "layers.1.mlp.experts", 1, id="experts-grouped-gemm-mixtral"),
+    # the router's logits (Qwen3-MoE's `mlp.gate`): a wrong routing is blamed on the router, not the experts
+    pytest.param("qwen3_moe", Fault("noise", op="aten.mm", module="layers.1.mlp.gate", value=0.5),
+                 "aten.mm", "layers.1.mlp.gate", 1, id="router-qwen3_moe"),
     pytest.param("qwen2_moe", Fault("noise", op="aten.mm", module="layers.1.mlp.shared_expert.down_proj", value=0.2),
                  "aten.mm", "layers.1.mlp.shared_expert.down_proj", 1, id="shared-expert-qwen2_moe"),
     pytest.param("qwen3_next", Fault("scale", op="aten.softplus", layer=2, value=1.5),

@@ -91,6 +91,7 @@ _SHARED_EXPERT = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
+_OLD_EXPERT_RE = re.compile(r"ffn_(gate|up|down)\.(\d+)")  # one tensor per expert, before llama.cpp stacked them
 _TOP_RE = re.compile(r"^(token_embd|output_norm|output)\.(weight|bias)$")
 
 # Tensors llama.cpp may add that carry no HF weight. rope_freqs (Llama-3 rope scaling) is refused below.
@@ -438,6 +439,10 @@ def hf_name(gguf_name: str, model_type: str) -> str | None:
                 block.update(_SHARED_EXPERT)
         if m.group(2) in block:
             return f"model.layers.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}"
+        if model_type in MOE_MODEL_TYPES and (e := _OLD_EXPERT_RE.fullmatch(m.group(2))):
+            # llama.cpp before stacked experts (early Mixtral files): blk.N.ffn_{gate,up,down}.E.weight
+            template = expert_file_names(model_type)[_EXPERTS[f"ffn_{e.group(1)}_exps"]]
+            return f"model.layers.{m.group(1)}.{template.format(i=int(e.group(2)))}.{m.group(3)}"
     return None
 
 

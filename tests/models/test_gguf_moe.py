@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFWriter, TokenType
+from gguf import GGMLQuantizationType, GGUFWriter, TokenType, quants
 from safetensors.torch import load_file
 
 from firstlight.errors import FirstlightError, UnknownModelError
@@ -55,8 +55,11 @@ def _vocab(ckpt: Path) -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
-def write_gguf_from_checkpoint(ckpt: Path, path: Path, f16_experts: bool = False) -> None:
-    """What convert_hf_to_gguf.py writes for a Mixtral / Qwen2-MoE / Qwen3-MoE checkpoint (F32 tensors)."""
+def write_gguf_from_checkpoint(ckpt: Path, path: Path, f16_experts: bool = False, per_expert: bool = False,
+                              q8_experts: bool = False) -> None:
+    """What convert_hf_to_gguf.py writes for a Mixtral / Qwen2-MoE / Qwen3-MoE checkpoint (F32 tensors);
+    `per_expert`: one `blk.N.ffn_{gate,up,down}.E.weight` per expert, as llama.cpp wrote before stacking them;
+    `q8_experts`: the stacked experts in Q8_0 (blocks of 32 int8 with an fp16 scale)."""
     cfg = json.loads((ckpt / "config.json").read_text())
     mt = cfg["model_type"]
     arch = ARCH[mt]
@@ -115,7 +118,15 @@ def write_gguf_from_checkpoint(ckpt: Path, path: Path, f16_experts: bool = False
                 t = llama_cpp_permute(t, cfg["num_key_value_heads"])
             w.add_tensor(f"blk.{i}.{_BLOCK[rest]}.{leaf}", np.ascontiguousarray(t))
         for gname, parts in stacked.items():
+            if per_expert:
+                for e, part in enumerate(parts):
+                    w.add_tensor(f"blk.{i}.{gname.removesuffix('_exps')}.{e}.weight", part)
+                continue
             t = np.stack(parts)  # [X, out, in]
+            if q8_experts:
+                q = quants.quantize(t, GGMLQuantizationType.Q8_0)
+                w.add_tensor(f"blk.{i}.{gname}.weight", q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType.Q8_0)
+                continue
             w.add_tensor(f"blk.{i}.{gname}.weight", t.astype(np.float16) if f16_experts else t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -229,3 +240,28 @@ def test_experts_on_a_dense_architecture_are_refused(tmp_path: Path) -> None:
     path = _moe_gguf(tmp_path / "qwen3.gguf", "qwen3", num_experts=8)
     with pytest.raises(UnknownModelError, match="'qwen3' with experts .qwen3.expert_count = 8. is not supported"):
         gguf_to_checkpoint(path, tmp_path / "out")
+
+
+def test_per_expert_mixtral_gguf_converts(tiny_checkpoint, tmp_path: Path) -> None:
+    """Early Mixtral GGUFs keep one tensor per expert (blk.N.ffn_gate.E.weight): same checkpoint back."""
+    src = tiny_checkpoint("mixtral")
+    write_gguf_from_checkpoint(src, tmp_path / "old.gguf", per_expert=True)
+    out = gguf_to_checkpoint(tmp_path / "old.gguf", tmp_path / "ckpt")
+    want, got = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert set(got) == set(want)
+    for name, t in want.items():
+        torch.testing.assert_close(got[name], t, rtol=0, atol=0, msg=name)
+
+
+def test_q8_0_experts_dequantize_within_the_format(tiny_checkpoint, tmp_path: Path) -> None:
+    """Stacked experts stored in Q8_0 come back per expert within Q8_0's rounding: half a step of a block's
+    scale (max / 127), 1/254 of the max, plus the fp16 rounding of the scale itself (2^-11 relative)."""
+    src = tiny_checkpoint("qwen3_moe")
+    write_gguf_from_checkpoint(src, tmp_path / "q8.gguf", q8_experts=True)
+    out = gguf_to_checkpoint(tmp_path / "q8.gguf", tmp_path / "ckpt")
+    want, got = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    experts = [n for n in want if ".experts." in n]
+    assert experts and set(got) == set(want)
+    for name in experts:
+        err = (got[name] - want[name]).abs().max() / want[name].abs().max()
+        assert 0 < err <= 1 / 254 + 2**-11, (name, float(err))

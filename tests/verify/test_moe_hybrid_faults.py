@@ -146,20 +146,26 @@ def test_granite_boundaries_name_mixer_experts_and_shared_mlp(tiny_dirs, referen
     assert any(t["name"].startswith("tables.mask") for t in res.tables)
 
 
-def test_weight_fault_in_mamba_is_blamed_on_that_weight(tiny_dirs, references):
-    """Layer 1's Mamba out_proj weight scaled by 1.05: the mixer boundary fails, no op fails on the
-    reference's weights, and the weight check names the parameter."""
-    fault = Fault("weight", param="layers.1.mamba.out_proj.weight", value=1.05)
-    res = run_verify(tiny_dirs["granitemoehybrid"], FaultyTarget(torch.float32, faults=[fault]), "faulty",
-                     config=CFG, reference=references("granitemoehybrid"))
+@pytest.mark.parametrize(("family", "param", "boundary", "source"), [
+    pytest.param("granitemoehybrid", "layers.1.mamba.out_proj.weight", "layers.1.mamba", "mamba2.py", id="mamba-granite"),
+    pytest.param("nemotron_h", "layers.6.mixer.out_proj.weight", "layers.6.mixer", "mamba2.py", id="mamba-nemotron_h"),
+    pytest.param("deepseek_v3", "layers.2.self_attn.kv_a_proj_with_mqa.weight", "layers.2.self_attn", "deepseek_v3.py",
+                 id="mla-kv-a-proj-deepseek_v3"),
+])
+def test_weight_fault_in_a_mixer_is_blamed_on_that_weight(tiny_dirs, references, family, param, boundary, source):
+    """The mixer's weight scaled by 1.05: its boundary fails, no op fails on the reference's weights, and
+    the weight check names the parameter."""
+    fault = Fault("weight", param=param, value=1.05)
+    res = run_verify(tiny_dirs[family], FaultyTarget(torch.float32, faults=[fault]), "faulty",
+                     config=CFG, reference=references(family))
     assert res.verdict == "mismatch" and fault.hits == 1
-    assert res.reasons[0] == "layers.1.mamba: isolated error over tolerance"
-    assert res.first_failing["unit"] == "layers.1"
+    assert res.reasons[0] == f"{boundary}: isolated error over tolerance"
+    layer = int(param.split(".")[1])
+    assert res.first_failing["unit"] == f"layers.{layer}"
     c = res.culprit
     assert c is not None, res.first_failing
-    assert (c["op"], c["param"], c["module"], c["layer"]) == (
-        "weight", "layers.1.mamba.out_proj.weight", "layers.1.mamba.out_proj", 1)
-    assert c["source"].startswith("firstlight/models/mamba2.py")
+    assert (c["op"], c["param"], c["module"], c["layer"]) == ("weight", param, param.removesuffix(".weight"), layer)
+    assert c["source"].startswith(f"firstlight/models/{source}")
 
 
 def test_sub_layer_units_cover_every_mixer_and_ffn(tiny_dirs):
@@ -234,19 +240,6 @@ def test_nemotron_h_boundaries_are_one_module_per_layer(tiny_dirs, references):
     assert scale["ok"] and scale["max_rel_error"] == 0.0
 
 
-def test_weight_fault_in_a_nemotron_h_mamba_block_is_blamed_on_that_weight(tiny_dirs, references):
-    fault = Fault("weight", param="layers.6.mixer.out_proj.weight", value=1.05)
-    res = run_verify(tiny_dirs["nemotron_h"], FaultyTarget(torch.float32, faults=[fault]), "faulty",
-                     config=CFG, reference=references("nemotron_h"))
-    assert res.verdict == "mismatch" and fault.hits == 1
-    assert res.reasons[0] == "layers.6.mixer: isolated error over tolerance"
-    c = res.culprit
-    assert c is not None, res.first_failing
-    assert (c["op"], c["param"], c["module"], c["layer"]) == (
-        "weight", "layers.6.mixer.out_proj.weight", "layers.6.mixer.out_proj", 6)
-    assert c["source"].startswith("firstlight/models/mamba2.py")
-
-
 def test_nemotron_h_sub_layer_units(tiny_dirs):
     """Without hooks: a token-mixer block (Mamba-2, attention) is an `attn:<type>` unit, an MLP or MoE
     block a `mixer:<type>` unit, each reproducing the block's module on its own input."""
@@ -300,19 +293,6 @@ def test_deepseek_v3_serving_path_compares_the_latent_cache(tiny_dirs, reference
     assert kv["ok"] and kv["max_rel_l2"] < 1e-5
     scale = next(t for t in res.tables if t["name"] == "tables.scale.attention")
     assert scale["ok"] and scale["max_rel_error"] == 0.0
-
-
-def test_weight_fault_in_deepseek_v3_kv_a_proj_is_blamed_on_that_weight(tiny_dirs, references):
-    fault = Fault("weight", param="layers.2.self_attn.kv_a_proj_with_mqa.weight", value=1.05)
-    res = run_verify(tiny_dirs["deepseek_v3"], FaultyTarget(torch.float32, faults=[fault]), "faulty",
-                     config=CFG, reference=references("deepseek_v3"))
-    assert res.verdict == "mismatch" and fault.hits == 1
-    assert res.reasons[0] == "layers.2.self_attn: isolated error over tolerance"
-    c = res.culprit
-    assert c is not None, res.first_failing
-    assert (c["op"], c["param"], c["module"], c["layer"]) == (
-        "weight", "layers.2.self_attn.kv_a_proj_with_mqa.weight", "layers.2.self_attn.kv_a_proj_with_mqa", 2)
-    assert c["source"].startswith("firstlight/models/deepseek_v3.py")
 
 
 def test_deepseek_v3_mla_unit_without_hooks(tiny_dirs, references):

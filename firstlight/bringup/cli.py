@@ -179,9 +179,9 @@ def _show(book, con) -> None:
         con.print(f"playbook {book.path}: empty")
         return
     table = Table(title=f"playbook {book.path}")
-    for col in ("signature", "remedy", "kept / tries", "chips", "families"):
+    for col in ("signature", "remedy", "kept / tries", "in a passing config", "chips", "families"):
         table.add_column(col)
     for r in sorted(rows, key=lambda r: (r["signature"], -r["kept"])):
-        table.add_row(r["signature"], r["remedy"], f"{r['kept']} / {r['tries']}", ", ".join(r["chips"]),
-                      ", ".join(r["families"]))
+        table.add_row(r["signature"], r["remedy"], f"{r['kept']} / {r['tries']}", str(r["essential"]),
+                      ", ".join(r["chips"]), ", ".join(r["families"]))
     con.print(table)

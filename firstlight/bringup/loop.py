@@ -29,7 +29,7 @@ import torch
 from firstlight.bringup import remedies as R
 from firstlight.bringup.goal import Goal, metric_values
 from firstlight.bringup.planner import Planner, PlaybookPlanner, RunInfo
-from firstlight.bringup.playbook import GOOD, Entry, Playbook
+from firstlight.bringup.playbook import CREDIT, GOOD, Entry, Playbook
 from firstlight.bringup.signatures import Context, Signature, classify
 from firstlight.errors import FirstlightError
 from firstlight.targets.base import OpNotLoweredError, TargetError
@@ -149,6 +149,8 @@ class BringupState:
     iterations: list[dict[str, Any]] = field(default_factory=list)
     # performance candidates not run: the spec predicts them no faster than what is kept (description, ms)
     skipped: list[dict[str, Any]] = field(default_factory=list)
+    # once the goal is met: per kept remedy, essential or superseded (see _credit)
+    credit: list[dict[str, Any]] = field(default_factory=list)
     phase: str = "correctness"  # correctness | performance | done
     status: str = "running"  # running | met | budget_spent | no_remedy | interrupted
     final: dict[str, Any] = field(default_factory=dict)
@@ -296,8 +298,24 @@ class BringupLoop:
             self._log(phase, trial, sig, cand, outcome, before=before)
         st.status = "met"
         st.phase = "performance"
+        self._credit(kept, current)
         self._save()
         return current
+
+    def _credit(self, kept: list[R.Candidate], current: Evaluation) -> None:
+        """Tell the playbook which kept remedies the passing configuration needs (`essential`) and which
+        later ones override entirely (`superseded`), under the signature each was kept for."""
+        found = {it["remedy"]["description"]: it["signature"] for it in self.state.iterations
+                 if it.get("remedy") and it.get("signature") and it.get("outcome") in GOOD}
+        for i, cand in enumerate(kept):
+            sig = found.get(cand.description)
+            if sig is None:  # not kept by this loop's correctness phase (a resumed older state)
+                continue
+            outcome = CREDIT[0] if self._differs(current, self.overrides(kept[:i] + kept[i + 1:])) else CREDIT[1]
+            self.state.credit.append({"description": cand.description, "credit": outcome})
+            self.playbook.record(Entry(signature=sig["key"], kind=sig["kind"], chip=self.info.chip,
+                                       vendor=self.info.vendor, family=self.info.family, model=self.info.model,
+                                       remedy=cand.remedy, candidate=cand.description, outcome=outcome))
 
     def _retry(self, kept: list[R.Candidate], current: Evaluation) -> list[R.Candidate]:
         """A reverted candidate, tried again once, when remedies kept since may have removed the larger
@@ -346,11 +364,13 @@ class BringupLoop:
     def changes_numerics(self, cand: R.Candidate, current: Evaluation) -> bool:
         """Whether adding `cand` to the configuration `current` ran changes the numerics (or placement)
         of any site its run dispatched; with no sites to compare (it did not compile), assume it does."""
+        return self._differs(current, current.target.overrides.plus(*cand.rules))
+
+    def _differs(self, current: Evaluation, overrides: Overrides) -> bool:
         sites = current.target.sites_seen()
         if not sites:
             return True
-        trial = EmulatedTarget(chip=self.cfg.chip, overrides=current.target.overrides.plus(*cand.rules),
-                               seed=self.cfg.seed)
+        trial = EmulatedTarget(chip=self.cfg.chip, overrides=overrides, seed=self.cfg.seed)
         return any(trial.site_numerics(m, op) != current.target.site_numerics(m, op) for m, op in sites)
 
     def price(self, kept: list[R.Candidate], current: Evaluation) -> float | None:

@@ -25,6 +25,11 @@ from typing import Any
 from firstlight.errors import FirstlightError
 
 GOOD = ("fixed", "moved", "improved")  # outcomes that kept the remedy
+# Credit from a configuration that met its goal, one entry per kept remedy: `essential` when the final
+# configuration's numerics change without it, `superseded` when later remedies override all it set
+# (an fp32 accumulator under a whole-model upcast). A remedy that only helped on the way is worth less
+# to the next model than one the passing configuration needs.
+CREDIT = ("essential", "superseded")
 VERSION = 1
 
 
@@ -38,7 +43,7 @@ class Entry:
     model: str
     remedy: str
     candidate: str
-    outcome: str  # fixed | moved | improved | no_effect | worse | error
+    outcome: str  # fixed | moved | improved | no_effect | worse | error; or a CREDIT outcome
     cost_ms: float | None = None  # change in predicted time per request (ms), when measured
     time: str = ""
 
@@ -96,7 +101,7 @@ class Playbook:
             w = 1.0 if e.signature == signature else 0.4
             w *= 2.0 if e.chip == chip else 1.5 if e.vendor == vendor else 1.0
             w *= 1.5 if e.family == family else 1.0
-            total += w if e.outcome in GOOD else -0.5 * w
+            total += w if e.outcome in GOOD or e.outcome == "essential" else -0.5 * w
         return total
 
     def summary(self) -> list[dict[str, Any]]:
@@ -104,9 +109,10 @@ class Playbook:
         rows: dict[tuple[str, str], dict[str, Any]] = {}
         for e in self.entries:
             r = rows.setdefault((e.signature, e.remedy), {"signature": e.signature, "remedy": e.remedy, "tries": 0,
-                                                          "kept": 0, "chips": set(), "families": set()})
-            r["tries"] += 1
+                                                          "kept": 0, "essential": 0, "chips": set(), "families": set()})
+            r["tries"] += e.outcome not in CREDIT
             r["kept"] += e.outcome in GOOD
+            r["essential"] += e.outcome == "essential"
             r["chips"].add(e.chip)
             r["families"].add(e.family)
         return [{**r, "chips": sorted(r["chips"]), "families": sorted(r["families"])} for r in rows.values()]

@@ -54,7 +54,10 @@ def render(state: BringupState, command: str, overrides_file: str) -> str:
         lines += [f"- {s['change']} {s['description']}: {_fmt(s['predicted_ms'], '.3f')} ms vs "
                   f"{_fmt(s['current_ms'], '.3f')} ms" for s in priced]
     lines += ["", "## Remedies kept", ""]
-    lines += [f"{i + 1}. **{c['remedy']}**: {c['description']}" for i, c in enumerate(state.kept)] or ["(none)"]
+    credit = {c["description"]: c["credit"] for c in state.credit}
+    lines += [f"{i + 1}. **{c['remedy']}**: {c['description']}"
+              + (f" ({credit[c['description']]} in the passing configuration)" if c["description"] in credit else "")
+              for i, c in enumerate(state.kept)] or ["(none)"]
     if state.final:
         f = state.final
         pred = f.get("predicted") or {}

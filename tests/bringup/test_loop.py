@@ -195,3 +195,24 @@ def test_a_reverted_candidate_is_retried_once_after_more_remedies_are_kept(tiny_
     loop.state.reverted[0]["kept"] = 1
     assert [c.key for c in loop._retry([host, hifi4], current)] == [exact.key]
     assert loop._retry([host, hifi4], current) == []  # once
+
+
+def test_a_passing_configuration_credits_what_it_needs(tiny_checkpoint, failing_chip, tmp_path):
+    """Kept remedies that a later one overrides entirely (an fp32 accumulator under a whole-model upcast)
+    are `superseded` in the playbook, the others `essential`; the next bring-up ranks the essential first."""
+    loop = _loop(tiny_checkpoint("llama", seed=3), failing_chip, tmp_path / "out", tmp_path / "pb.json")
+    host = R.Candidate("host_fallback", (R.rule(module="rotary", fallback="host"),), "rotary on the host")
+    acc = R.Candidate("widen_accumulator", (R.rule(op="aten.mm", matmul={"accumulator": "fp32"}),),
+                      "fp32 accumulator in aten.mm")  # the upcast's aten.mm rule sets it too (not bmm's)
+    up = R.Candidate("upcast_module", (R.rule(activation="fp32"), *R.matmul_rules(
+        None, None, "", a_format="bf16", b_format="bf16", accumulator="fp32", fidelity="hifi4")), "upcast the whole model")
+    sig = {"kind": "unit_composition", "key": "unit_composition:layers"}
+    loop.state.iterations = [{"remedy": c.to_dict(), "signature": sig, "outcome": "improved"} for c in (host, acc, up)]
+    loop._credit([host, acc, up], loop.evaluate([host, acc, up]))
+    assert {c["description"]: c["credit"] for c in loop.state.credit} == {
+        "rotary on the host": "essential", "fp32 accumulator in aten.mm": "superseded",
+        "upcast the whole model": "essential"}
+    book = Playbook(tmp_path / "pb.json")
+    info = ("wormhole-n300", "Tenstorrent", "llama")
+    assert book.score("upcast_module", sig["key"], sig["kind"], *info) > book.score("widen_accumulator", sig["key"],
+                                                                                    sig["kind"], *info)

@@ -30,7 +30,7 @@ from firstlight.bringup import remedies as R
 from firstlight.bringup.goal import Goal, metric_values
 from firstlight.bringup.planner import Planner, PlaybookPlanner, RunInfo
 from firstlight.bringup.playbook import CREDIT, GOOD, Entry, Playbook
-from firstlight.bringup.signatures import Context, Signature, classify
+from firstlight.bringup.signatures import Accumulation, Context, OpClassError, Signature, classify
 from firstlight.errors import FirstlightError
 from firstlight.targets.base import OpNotLoweredError, TargetError
 from firstlight.targets.emulated import EmulatedTarget
@@ -265,6 +265,7 @@ class BringupLoop:
                 return current
             sig = current.signature
             assert sig is not None
+            sig = self._refuted(sig)
             ctx = R.RemedyContext(numerics=current.target.numerics, site=current.target.site_numerics,
                                   modules=[p for p, _ in current.target._model.named_modules()]
                                   if current.target._model is not None else [])
@@ -293,7 +294,8 @@ class BringupLoop:
                 kept.append(cand)
                 current = trial
             elif outcome != "error" and phase == "correctness":
-                st.reverted.append({"candidate": cand.to_dict(), "kept": len(kept), "retried": False})
+                st.reverted.append({"candidate": cand.to_dict(), "kept": len(kept), "retried": False,
+                                    "outcome": outcome, "signature": sig.describe()})
             self._record(sig, cand, outcome, before, trial)
             self._log(phase, trial, sig, cand, outcome, before=before)
         st.status = "met"
@@ -316,6 +318,18 @@ class BringupLoop:
             self.playbook.record(Entry(signature=sig["key"], kind=sig["kind"], chip=self.info.chip,
                                        vendor=self.info.vendor, family=self.info.family, model=self.info.model,
                                        remedy=cand.remedy, candidate=cand.description, outcome=outcome))
+
+    def _refuted(self, sig: Signature) -> Signature:
+        """An accumulation signature whose strongest remedy, an fp32 accumulator, was tried for it and
+        changed nothing (or made it worse) is not accumulation: every other accumulation remedy (promote,
+        split K, stochastic rounding) approximates that one. It is then the culprit matmul's op-class
+        error (Hopper fp8 on SmolLM2: fp22 sums over K = 576 looked like accumulation; the per-tensor
+        scale of o_proj's outlier input was the error)."""
+        if isinstance(sig, Accumulation) and any(
+                r.get("signature") == sig.describe() and r["candidate"]["remedy"] == "widen_accumulator"
+                and r.get("outcome") in ("no_effect", "worse") for r in self.state.reverted):
+            return OpClassError(op_class="matmul", op=sig.op, module=sig.module)
+        return sig
 
     def _retry(self, kept: list[R.Candidate], current: Evaluation) -> list[R.Candidate]:
         """A reverted candidate, tried again once, when remedies kept since may have removed the larger

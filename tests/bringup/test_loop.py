@@ -216,3 +216,15 @@ def test_a_passing_configuration_credits_what_it_needs(tiny_checkpoint, failing_
     info = ("wormhole-n300", "Tenstorrent", "llama")
     assert book.score("upcast_module", sig["key"], sig["kind"], *info) > book.score("widen_accumulator", sig["key"],
                                                                                     sig["kind"], *info)
+
+
+def test_an_accumulator_widened_to_no_effect_refutes_accumulation(tiny_checkpoint, failing_chip, tmp_path):
+    from firstlight.bringup.signatures import Accumulation, OpClassError
+
+    loop = _loop(tiny_checkpoint("llama", seed=3), failing_chip, tmp_path / "out", tmp_path / "pb.json")
+    sig = Accumulation(op="aten.mm.default", module="layers.0.self_attn.o_proj", reduction_len=576, accumulator="fp22")
+    assert loop._refuted(sig) == sig
+    wide = R.Candidate("widen_accumulator", (R.rule(matmul={"accumulator": "fp32"}),), "fp32 accumulator everywhere")
+    loop.state.reverted.append({"candidate": wide.to_dict(), "kept": 0, "retried": False, "outcome": "no_effect",
+                                "signature": sig.describe()})
+    assert loop._refuted(sig) == OpClassError(op_class="matmul", op=sig.op, module=sig.module)

@@ -345,6 +345,9 @@ class BringupLoop:
         return []
 
     def _performance(self, kept: list[R.Candidate], current: Evaluation) -> Evaluation:
+        """Newest kept remedy first: try without it; if the goal needs it, walk down its cheaper
+        variants (closest first), keeping each that still meets the goal faster, and stop at the first
+        that does not (the next ones are less accurate still)."""
         spent = 0
         for i in reversed(range(len(kept))):
             cand = kept[i]
@@ -371,8 +374,10 @@ class BringupLoop:
                     current = trial
                 self._log("performance", trial, None, v or cand, "cheaper" if better else "rejected", before=before,
                           change="remove" if v is None else "cheapen")
-                if better:
-                    break
+                if v is None and better:
+                    break  # removed: nothing left of it to cheapen
+                if v is not None and not better:
+                    break  # a less accurate variant than this one fails too
         return current
 
     def changes_numerics(self, cand: R.Candidate, current: Evaluation) -> bool:

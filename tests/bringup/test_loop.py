@@ -228,3 +228,29 @@ def test_an_accumulator_widened_to_no_effect_refutes_accumulation(tiny_checkpoin
     loop.state.reverted.append({"candidate": wide.to_dict(), "kept": 0, "retried": False, "outcome": "no_effect",
                                 "signature": sig.describe()})
     assert loop._refuted(sig) == OpClassError(op_class="matmul", op=sig.op, module=sig.module)
+
+
+def test_the_performance_phase_walks_down_until_a_variant_fails(tiny_checkpoint, failing_chip, tmp_path, monkeypatch):
+    """HiFi4 kept; the goal holds down to HiFi3: removing it fails, HiFi3 is kept, HiFi2 fails, and
+    LoFi (less accurate still) is not run."""
+    from firstlight.bringup.loop import Evaluation
+
+    loop = _loop(tiny_checkpoint("llama", seed=3), failing_chip, tmp_path / "out", tmp_path / "pb.json", perf_budget=3)
+    host = R.Candidate("host_fallback", (R.rule(module="rotary", fallback="host"),), "rotary on the host")
+    kept = [host, R.Candidate("raise_fidelity", (R.rule(matmul={"fidelity": "hifi4"}),), "math fidelity hifi4 everywhere")]
+    current = loop.evaluate(kept)
+    cost = {"hifi4": 4.0, "hifi3": 3.0, "hifi2": 2.0, "lofi": 1.0, None: 0.5}
+    ran = []
+
+    def fake(cands):
+        fid = next((c.rules[0].matmul.fidelity for c in cands if c.remedy == "raise_fidelity"), None)
+        ran.append(fid)
+        return Evaluation(current.result, None, None, [] if fid in ("hifi4", "hifi3") else ["x"], cost[fid],
+                          current.target)
+
+    monkeypatch.setattr(loop, "evaluate", fake)
+    monkeypatch.setattr(loop, "price", lambda k, c: None)
+    current.cost_ms, current.unmet = cost["hifi4"], []
+    out = loop._performance(kept, current)
+    assert ran == [None, "hifi3", "hifi2"] and out.cost_ms == 3.0
+    assert kept[1].rules[0].matmul.fidelity == "hifi3"

@@ -3,7 +3,8 @@
 A remedy is one file in this package (or a user file, `firstlight bringup --remedies FILE.py`) that
 calls `register(Remedy(...))`. `propose(signature, ctx)` returns candidates (rules to append to the
 overrides, most specific first); `cheaper(candidate, ctx)` returns cheaper variants of an applied
-candidate for the performance phase, cheapest first. `cost` says what the remedy costs on a chip;
+candidate for the performance phase, closest first (each cheaper, and less accurate, than the one
+before: the phase walks down until one fails the goal). `cost` says what the remedy costs on a chip;
 the loop also measures it as the change in the spec-predicted time.
 """
 

@@ -23,7 +23,7 @@ def propose(sig, ctx):
 
 def cheaper(c, ctx):
     r = c.rules[0]
-    return [_c(r.module, r.op, n, r.why) for n in reversed(INTERVALS) if n > r.matmul.promotion_interval]
+    return [_c(r.module, r.op, n, r.why) for n in INTERVALS if n > r.matmul.promotion_interval]
 
 
 register(Remedy("promote_more_often", ("accumulation",), propose, cheaper=cheaper,

@@ -27,7 +27,7 @@ def propose(sig, ctx):
 def cheaper(c, ctx):
     r = c.rules[0]
     fid = r.matmul.fidelity
-    return [_variant(r.module, r.op, f, r.why) for f in FIDELITIES[:FIDELITIES.index(fid)]]
+    return [_variant(r.module, r.op, f, r.why) for f in reversed(FIDELITIES[:FIDELITIES.index(fid)])]
 
 
 register(Remedy("raise_fidelity", ("accumulation", "op_class", "unit_composition", "quality_only", "decode_only"), propose,

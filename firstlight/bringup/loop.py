@@ -295,7 +295,7 @@ class BringupLoop:
                 current = trial
             elif outcome != "error" and phase == "correctness":
                 st.reverted.append({"candidate": cand.to_dict(), "kept": len(kept), "retried": False,
-                                    "outcome": outcome, "signature": sig.describe()})
+                                    "outcome": outcome, "signature": sig.describe(), "key": sig.key()})
             self._record(sig, cand, outcome, before, trial)
             self._log(phase, trial, sig, cand, outcome, before=before)
         st.status = "met"
@@ -320,13 +320,14 @@ class BringupLoop:
                                        remedy=cand.remedy, candidate=cand.description, outcome=outcome))
 
     def _refuted(self, sig: Signature) -> Signature:
-        """An accumulation signature whose strongest remedy, an fp32 accumulator, was tried for it and
-        changed nothing (or made it worse) is not accumulation: every other accumulation remedy (promote,
+        """An accumulation signature whose strongest remedy, an fp32 accumulator, was tried under its
+        key (the same narrow accumulator; the K-growth it measures moves from run to run) and changed
+        nothing (or made it worse) is not accumulation: every other accumulation remedy (promote,
         split K, stochastic rounding) approximates that one. It is then the culprit matmul's op-class
         error (Hopper fp8 on SmolLM2: fp22 sums over K = 576 looked like accumulation; the per-tensor
         scale of o_proj's outlier input was the error)."""
         if isinstance(sig, Accumulation) and any(
-                r.get("signature") == sig.describe() and r["candidate"]["remedy"] == "widen_accumulator"
+                r.get("key") == sig.key() and r["candidate"]["remedy"] == "widen_accumulator"
                 and r.get("outcome") in ("no_effect", "worse") for r in self.state.reverted):
             return OpClassError(op_class="matmul", op=sig.op, module=sig.module)
         return sig

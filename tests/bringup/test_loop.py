@@ -226,8 +226,11 @@ def test_an_accumulator_widened_to_no_effect_refutes_accumulation(tiny_checkpoin
     assert loop._refuted(sig) == sig
     wide = R.Candidate("widen_accumulator", (R.rule(matmul={"accumulator": "fp32"}),), "fp32 accumulator everywhere")
     loop.state.reverted.append({"candidate": wide.to_dict(), "kept": 0, "retried": False, "outcome": "no_effect",
-                                "signature": sig.describe()})
+                                "signature": sig.describe(), "key": sig.key()})
     assert loop._refuted(sig) == OpClassError(op_class="matmul", op=sig.op, module=sig.module)
+    later = Accumulation(op="aten.mm.default", module="layers.1.mlp.down_proj", reduction_len=1536,
+                         accumulator="fp22", growth=0.4)  # another run's evidence, the same narrow accumulator
+    assert loop._refuted(later).kind == "op_class"
 
 
 def test_the_performance_phase_walks_down_until_a_variant_fails(tiny_checkpoint, failing_chip, tmp_path, monkeypatch):

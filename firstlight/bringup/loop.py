@@ -359,6 +359,13 @@ class BringupLoop:
                 if spent >= self.cfg.perf_budget:
                     return current
                 trial_kept = kept[:i] + ([v] if v is not None else []) + kept[i + 1:]
+                if v is not None and not self._differs(current, self.overrides(trial_kept),
+                                                       self.overrides(kept[:i] + kept[i + 1:])):
+                    # the variant sets what the chip does anyway (fp8 weights on an H100): removing it was tried
+                    self.state.skipped.append({"description": v.description, "change": "cheapen",
+                                               "predicted_ms": None, "current_ms": current.cost_ms,
+                                               "why": "the same numerics as without it"})
+                    continue
                 priced = self.price(trial_kept, current)
                 if priced is not None and current.cost_ms is not None and priced >= current.cost_ms - 1e-9:
                     # the spec says it saves nothing (e.g. a later rule overrides it): not worth a verify run
@@ -386,12 +393,15 @@ class BringupLoop:
         of any site its run dispatched; with no sites to compare (it did not compile), assume it does."""
         return self._differs(current, current.target.overrides.plus(*cand.rules))
 
-    def _differs(self, current: Evaluation, overrides: Overrides) -> bool:
+    def _differs(self, current: Evaluation, overrides: Overrides, than: Overrides | None = None) -> bool:
+        """Whether `overrides` give any site `current`'s run dispatched other numerics than `than` does
+        (default: `current`'s own configuration); with no sites to compare, assume they do."""
         sites = current.target.sites_seen()
         if not sites:
             return True
-        trial = EmulatedTarget(chip=self.cfg.chip, overrides=overrides, seed=self.cfg.seed)
-        return any(trial.site_numerics(m, op) != current.target.site_numerics(m, op) for m, op in sites)
+        a = EmulatedTarget(chip=self.cfg.chip, overrides=overrides, seed=self.cfg.seed)
+        b = current.target if than is None else EmulatedTarget(chip=self.cfg.chip, overrides=than, seed=self.cfg.seed)
+        return any(a.site_numerics(m, op) != b.site_numerics(m, op) for m, op in sites)
 
     def price(self, kept: list[R.Candidate], current: Evaluation) -> float | None:
         """The spec-predicted ms per request of `kept`, priced on the current run's trace (no model run);

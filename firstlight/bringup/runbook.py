@@ -50,9 +50,10 @@ def render(state: BringupState, command: str, overrides_file: str) -> str:
         lines += [f"- {s['description']} (for {s['signature']})" for s in noop]
     if priced:
         lines += ["", "Performance candidates not run, because the spec prices them no faster than the configuration "
-                  "they would replace (a later rule overrides them, or the op is not on the critical resource):", ""]
-        lines += [f"- {s['change']} {s['description']}: {_fmt(s['predicted_ms'], '.3f')} ms vs "
-                  f"{_fmt(s['current_ms'], '.3f')} ms" for s in priced]
+                  "they would replace (a later rule overrides them, or the op is not on the critical resource), or "
+                  "they compute what removing the remedy computes:", ""]
+        lines += [f"- {s['change']} {s['description']}: " + (s["why"] if s.get("why") else
+                  f"{_fmt(s['predicted_ms'], '.3f')} ms vs {_fmt(s['current_ms'], '.3f')} ms") for s in priced]
     lines += ["", "## Remedies kept", ""]
     credit = {c["description"]: c["credit"] for c in state.credit}
     lines += [f"{i + 1}. **{c['remedy']}**: {c['description']}"

@@ -257,3 +257,30 @@ def test_the_performance_phase_walks_down_until_a_variant_fails(tiny_checkpoint,
     out = loop._performance(kept, current)
     assert ran == [None, "hifi3", "hifi2"] and out.cost_ms == 3.0
     assert kept[1].rules[0].matmul.fidelity == "hifi3"
+
+
+def test_a_cheaper_variant_that_is_the_chips_default_is_not_run(tiny_checkpoint, failing_chip, tmp_path, monkeypatch):
+    """bf16 weights kept on a bfp4 chip: bfp8 passes; bfp4 is what removing the remedy gives (tried
+    already), so it is skipped; bfp2 fails and ends the walk."""
+    from firstlight.bringup.loop import Evaluation
+
+    loop = _loop(tiny_checkpoint("llama", seed=3), failing_chip, tmp_path / "out", tmp_path / "pb.json", perf_budget=8)
+    host = R.Candidate("host_fallback", (R.rule(module="rotary", fallback="host"),), "rotary on the host")
+    bf16 = R.Candidate("widen_weights", R.matmul_rules(None, None, "", b_format="bf16", b_scaling=None),
+                       "weights in bf16 everywhere")
+    kept = [host, bf16]
+    current = loop.evaluate(kept)
+    ran = []
+
+    def fake(cands):
+        fmt = next((c.rules[0].matmul.b_format for c in cands if c.remedy == "widen_weights"), "bfp4_b")
+        ran.append(fmt)
+        cost = {"bf16": 4.0, "bfp8_b": 3.0, "bfp4_b": 2.0, "bfp2_b": 1.0}[fmt]
+        return Evaluation(current.result, None, None, [] if fmt in ("bf16", "bfp8_b") else ["x"], cost, current.target)
+
+    monkeypatch.setattr(loop, "evaluate", fake)
+    monkeypatch.setattr(loop, "price", lambda k, c: None)
+    current.cost_ms, current.unmet = 4.0, []
+    loop._performance(kept, current)
+    assert ran[:3] == ["bfp4_b", "bfp8_b", "bfp2_b"]  # remove (= bfp4), bfp8 kept, bfp4 skipped, bfp2 fails
+    assert any(s.get("why") == "the same numerics as without it" for s in loop.state.skipped)

@@ -45,8 +45,7 @@ import torch
 
 from firstlight.core.batch import Batch, ScheduledSeq
 from firstlight.engine.request import Request
-from firstlight.models.config import LINEAR, MAMBA, STATE_TYPES
-from firstlight.models.mamba2 import Mamba2Mixer
+from firstlight.models.states import state_shapes
 from firstlight.quant.kv import KV_FORMATS, dequantize_kv, quantize_kv
 
 KV_CACHE_DTYPES = ("auto", *KV_FORMATS)
@@ -316,7 +315,7 @@ class ModelRunner:
         # recurrent layers: one state slot per running request (+1 scratch slot for padding rows)
         self.num_state_slots = num_state_slots
         self.state_pools = {
-            layer: tuple(self._pool((num_state_slots + 1, *s), dt) for s, dt in self.state_shapes(model, layer))
+            layer: tuple(self._pool((num_state_slots + 1, *s), dt) for s, dt in state_shapes(model, layer))
             for layer in (cfg.state_layers if num_state_slots else ())
         }
         self.state_slot_of: Callable[[str], int] | None = None  # request id -> its slot (the cache manager's)
@@ -358,31 +357,12 @@ class ModelRunner:
         return int(2 * num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * per_elem)
 
     @staticmethod
-    def state_shapes(model: torch.nn.Module, layer: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """The shape and dtype of each state one request keeps in a recurrent layer, by its mixer type:
-        the conv inputs [C, K-1] (model dtype) and the recurrent state in fp32, as the mixer keeps it
-        (Gated DeltaNet [Hv, Dk, Dv], Mamba-2 [H, P, N]). Attention layers keep none."""
-        cfg = model.config
-        dtype = next(model.parameters()).dtype
-        layer_type = cfg.layer_types[layer]
-        if layer_type == LINEAR:
-            la = cfg.linear_attn
-            return [((la.conv_dim, la.conv_kernel - 1), dtype),
-                    ((la.num_v_heads, la.k_head_dim, la.v_head_dim), torch.float32)]
-        if layer_type == MAMBA:
-            conv, ssm = Mamba2Mixer.state_shapes(cfg.mamba)
-            return [(conv, dtype), (ssm, torch.float32)]
-        if layer_type in STATE_TYPES:
-            raise NotImplementedError(f"no state shapes for recurrent layer type {layer_type!r}")
-        return []
-
-    @staticmethod
     def state_bytes_per_slot(model: torch.nn.Module) -> int:
         """Recurrent-state bytes of one request over all its recurrent layers (never quantized: the
         KV-cache dtype applies to K/V only)."""
         return sum(math.prod(shape) * dtype.itemsize
                    for layer in model.config.state_layers
-                   for shape, dtype in ModelRunner.state_shapes(model, layer))
+                   for shape, dtype in state_shapes(model, layer))
 
     @torch.inference_mode()
     def execute(self, batch: Batch, requests: dict[str, Request]) -> ExecuteOutput:

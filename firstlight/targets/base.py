@@ -48,7 +48,7 @@ adapters are in firstlight/verify/units.py):
 
 A hybrid model's `prefill` / `decode` take three more inputs after kv, state_slots [B] (each row's
 recurrent state slot), conv [num_state_layers, num_state_slots, C, K-1] and rec [num_state_layers,
-num_state_slots, ...] (the engine's per-request states: runner.py `state_shapes`), and return conv'
+num_state_slots, ...] (the engine's per-request states: models/states.py `state_shapes`), and return conv'
 and rec' after kv'.
 
 `prefill` / `decode` are a whole forward through a paged KV cache, as a server runs it: the

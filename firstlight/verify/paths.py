@@ -22,7 +22,7 @@ ends by comparing the target's whole K/V pool with the reference's K/V, per laye
 
 Hybrid models (Gated DeltaNet, Mamba-2 layers) also carry a recurrent state from step to step: each
 batch row owns one state slot (conv inputs and recurrent state per recurrent layer, the engine's
-layout: runner.py `state_shapes`), zeros before its first token, passed to the step unit and returned
+layout: models/states.py `state_shapes`), zeros before its first token, passed to the step unit and returned
 updated like the K/V pool (units.SlotStates). A recurrent mixer cannot skip padding tokens, so, as
 the engine runs rows of different token counts as separate forwards, a chunk in which rows feed
 different numbers of tokens runs as one forward per count (`uniform_rows`), the other rows padding
@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from firstlight.engine.runner import ModelRunner
+from firstlight.models.states import state_shapes
 from firstlight.verify import units as U
 from firstlight.verify.metrics import compare
 from firstlight.verify.tables import ReferenceTables, Tables, compare_tables
@@ -273,7 +273,7 @@ class StepRunner:
         self.state_layers: tuple[int, ...] = tuple(tmodel.config.state_layers)
         # one request's states in a recurrent layer (the engine's: conv inputs, recurrent state), the
         # same in every recurrent layer of a model
-        specs = {tuple(ModelRunner.state_shapes(tmodel, i)) for i in self.state_layers}
+        specs = {tuple(state_shapes(tmodel, i)) for i in self.state_layers}
         assert len(specs) <= 1, f"recurrent layers keep states of different shapes: {specs}"
         self.state_specs: tuple[tuple[tuple[int, ...], torch.dtype], ...] = specs.pop() if specs else ()
 

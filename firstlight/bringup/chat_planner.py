@@ -24,6 +24,7 @@ each to `OUT/planner.jsonl`).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,9 +90,10 @@ class ChatPlanner:
         self.decisions: list[dict[str, Any]] = []
         self.log_path = log_path  # each decision appended as one JSON line (the bring-up's planner.jsonl)
 
-    def rank(self, sig: Signature, candidates: list[Candidate], info: RunInfo, spread: float = 0.0) -> list[Candidate]:
+    def rank(self, sig: Signature, candidates: list[Candidate], info: RunInfo, spread: float = 0.0,
+             kept: Sequence[Candidate] = ()) -> list[Candidate]:
         """The chat model's choice first, then the rest in playbook order; the playbook order on any failure."""
-        base = self.fallback.rank(sig, candidates, info, spread)
+        base = self.fallback.rank(sig, candidates, info, spread, kept)
         decision: dict[str, Any] = {"signature": sig.describe(), "num_candidates": len(base)}
         ranked = base
         if len(base) < 2:

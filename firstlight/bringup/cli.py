@@ -175,7 +175,7 @@ def _show(book, con) -> None:
     from rich.table import Table
 
     rows = book.summary()
-    if not rows:
+    if not rows and not book.configs:
         con.print(f"playbook {book.path}: empty")
         return
     table = Table(title=f"playbook {book.path}")
@@ -185,3 +185,13 @@ def _show(book, con) -> None:
         table.add_row(r["signature"], r["remedy"], f"{r['kept']} / {r['tries']}", str(r["essential"]),
                       ", ".join(r["chips"]), ", ".join(r["families"]))
     con.print(table)
+    configs = Table(title="passing configurations (the next bring-up on the chip starts from the newest)")
+    for col in ("chip", "family", "model", "remedies kept", "predicted ms / request", "time"):
+        configs.add_column(col)
+    for c in book.configs:
+        cost = c.get("cost_ms")
+        configs.add_row(c.get("chip", "?"), c.get("family", "?"), Path(str(c.get("model", "?"))).name,
+                        "; ".join(k.get("description", "?") for k in c["kept"]),
+                        "-" if cost is None else f"{cost:.1f}", c.get("time", ""))
+    if book.configs:
+        con.print(configs)

@@ -3,6 +3,7 @@
     compile -> run -> verify -> localize -> classify -> remedy (an override) -> re-verify
       keep the remedy if the failure vanished or moved and nothing got worse; revert it otherwise
       until the goal holds or the budget of verify runs is spent
+    (first, when the playbook holds a passing configuration on this chip: all its remedies at once)
     performance phase: for each kept remedy, newest first, try without it, then its cheaper
       variants (lower fidelity, narrower format, ...); keep the cheapest configuration that still
       meets the goal, by the chip spec's predicted time per request
@@ -151,6 +152,9 @@ class BringupState:
     skipped: list[dict[str, Any]] = field(default_factory=list)
     # once the goal is met: per kept remedy, essential or superseded (see _credit)
     credit: list[dict[str, Any]] = field(default_factory=list)
+    # the playbook's passing configuration this bring-up started from: {"model": ..., "outcome": ...};
+    # {"model": None} when the playbook had none for the chip; {} until the loop has looked
+    prior: dict[str, Any] = field(default_factory=dict)
     phase: str = "correctness"  # correctness | performance | done
     status: str = "running"  # running | met | budget_spent | no_remedy | interrupted
     final: dict[str, Any] = field(default_factory=dict)
@@ -254,6 +258,9 @@ class BringupLoop:
                     "predicted": ((current.result or {}).get("target_report") or {}).get("details", {}).get("predicted"),
                     "verify_runs": self.runs}
         self._save()
+        if current.met:
+            self.playbook.record_config(self.info.chip, self.info.vendor, self.info.family, self.info.model,
+                                        [c.to_dict() for c in kept], current.cost_ms)
         self.final_result = current.result
         return st
 
@@ -263,6 +270,9 @@ class BringupLoop:
             if self.runs >= self.cfg.budget:
                 st.status = "budget_spent"
                 return current
+            if not st.prior:
+                current = self._from_prior(kept, current)
+                continue
             sig = current.signature
             assert sig is not None
             sig = self._refuted(sig)
@@ -277,7 +287,7 @@ class BringupLoop:
                 untried.remove(c)
                 tried.append(c.key)
                 st.skipped.append({"description": c.description, "change": "no-op", "signature": sig.describe()})
-            cands = self.planner.rank(sig, untried, self.info, spread=current.spread()) if untried else []
+            cands = self.planner.rank(sig, untried, self.info, spread=current.spread(), kept=kept) if untried else []
             phase = "correctness"
             if not cands:
                 cands, phase = self._retry(kept, current), "retry"
@@ -302,6 +312,33 @@ class BringupLoop:
         st.phase = "performance"
         self._credit(kept, current)
         self._save()
+        return current
+
+    def _from_prior(self, kept: list[R.Candidate], current: Evaluation) -> Evaluation:
+        """Try, as one step, every remedy of the passing configuration the playbook holds for this chip
+        (Playbook.prior_config: the same family's first, else the newest) and keep them all when the
+        judge keeps the step; the loop then goes on from there remedy by remedy. Only at the start of a
+        bring-up (nothing kept yet). The performance phase later removes those this model does not need."""
+        st = self.state
+        config = None if kept else self.playbook.prior_config(self.info.chip, self.info.family)
+        st.prior = {"model": None if config is None else config["model"]}
+        if config is None:
+            return current
+        bundle = [_candidate(c) for c in config["kept"]]
+        whole = R.Candidate("prior_configuration", tuple(r for c in bundle for r in c.rules),
+                            f"start from the passing configuration of {Path(config['model']).name} "
+                            f"({config.get('family')}) on this chip: {len(bundle)} remedies")
+        trial = self.evaluate(bundle)
+        outcome = judge(current, trial)
+        st.prior["outcome"] = outcome
+        before = current
+        if outcome in GOOD:
+            kept.extend(bundle)
+            current = trial
+        sig = before.signature
+        if sig is not None:
+            self._record(sig, whole, outcome, before, trial)
+        self._log("correctness (prior)", trial, sig, whole, outcome, before=before)
         return current
 
     def _credit(self, kept: list[R.Candidate], current: Evaluation) -> None:

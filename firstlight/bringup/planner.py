@@ -7,10 +7,15 @@ the signature's kind, e.g. a wider accumulator for an accumulation error, before
 a side effect, e.g. a higher fidelity or an upcast module), then by scope (a local failure tries the
 failing module first, a widespread one the whole model), then by the remedy's cost rank and registry
 order, so with an empty playbook the cheapest direct remedy goes first.
+
+Scope escalates: a remedy already kept for one module and proposed again for another is no longer a
+local answer, so its model-wide variant goes before the next module's (SmolLM2 on H100 took bf16
+weights in o_proj, then down_proj, then qkv_proj, one verify run each).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,23 +33,34 @@ class RunInfo:
 
 
 class Planner(Protocol):
-    def rank(self, sig: Signature, candidates: list[Candidate], info: RunInfo, spread: float = 0.0) -> list[Candidate]:
-        """Candidates in trial order; `spread` is the fraction of verify's units that fail (0..1)."""
+    def rank(self, sig: Signature, candidates: list[Candidate], info: RunInfo, spread: float = 0.0,
+             kept: Sequence[Candidate] = ()) -> list[Candidate]:
+        """Candidates in trial order; `spread` is the fraction of verify's units that fail (0..1), `kept`
+        the remedies the configuration holds."""
         ...
+
+
+def scoped(c: Candidate) -> bool:
+    return any(r.module is not None for r in c.rules)
 
 
 class PlaybookPlanner:
     def __init__(self, playbook: Playbook) -> None:
         self.playbook = playbook
 
-    def rank(self, sig: Signature, candidates: list[Candidate], info: RunInfo, spread: float = 0.0) -> list[Candidate]:
-        """Playbook score first, then direct remedies before side-effect ones; when most units fail
+    def rank(self, sig: Signature, candidates: list[Candidate], info: RunInfo, spread: float = 0.0,
+             kept: Sequence[Candidate] = ()) -> list[Candidate]:
+        """Playbook score first, then direct remedies before side-effect ones, then the model-wide
+        variant of a remedy already kept for another module (escalation); when most units fail
         (spread > 0.5) the failure is not local, so model-wide candidates go before ones scoped to the
         failing module; then cost rank, then registry order."""
-        def key(ic: tuple[int, Candidate]) -> tuple[float, int, int, int, int]:
+        escalate = {c.remedy for c in kept if scoped(c)}
+
+        def key(ic: tuple[int, Candidate]) -> tuple[float, int, int, int, int, int]:
             i, c = ic
             score = self.playbook.score(c.remedy, sig.key(), sig.kind, info.chip, info.vendor, info.family)
-            scoped = any(r.module is not None for r in c.rules)
-            return (-score, int(not c.primary), int(scoped) if spread > 0.5 else int(not scoped), c.cost_rank, i)
+            local = scoped(c)
+            wide = int(not (c.remedy in escalate and not local))
+            return (-score, int(not c.primary), wide, int(local) if spread > 0.5 else int(not local), c.cost_rank, i)
 
         return [c for _, c in sorted(enumerate(candidates), key=key)]

@@ -8,7 +8,13 @@ the loop never loses its run to a bad playbook.
     {"version": 1, "entries": [{"signature": "accumulation:bf16", "kind": "accumulation",
       "chip": "wormhole-n300", "vendor": "Tenstorrent", "family": "llama", "model": "...",
       "remedy": "widen_accumulator", "candidate": "fp32 accumulator in layers.*.mlp.down_proj",
-      "outcome": "fixed", "cost_ms": 0.4, "time": "2026-12-01T12:00:00Z"}]}
+      "outcome": "fixed", "cost_ms": 0.4, "time": "2026-12-01T12:00:00Z"}],
+     "configs": [{"chip": "wormhole-n300", "vendor": "Tenstorrent", "family": "llama", "model": "...",
+      "kept": [{"remedy": ..., "description": ..., "rules": [...]}], "cost_ms": 476.8, "time": "..."}]}
+
+`entries` rank single remedies for a signature; `configs` are whole passing configurations (the remedies
+a bring-up kept, after its performance phase), which the next bring-up on the same chip tries first as
+one step: the way an engineer starts a second model from the first one's working settings.
 """
 
 from __future__ import annotations
@@ -57,16 +63,22 @@ def default_path() -> Path:
 class Playbook:
     def __init__(self, path: str | Path | None = None) -> None:
         self.path = Path(path) if path is not None else default_path()
-        self.entries: list[Entry] = self._load()
+        self.entries: list[Entry] = []
+        self.configs: list[dict[str, Any]] = []
+        self._load()
 
-    def _load(self) -> list[Entry]:
+    def _load(self) -> None:
         if not self.path.exists():
-            return []
+            return
         try:
             data = json.loads(self.path.read_text())
             if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
                 raise ValueError("no 'entries' list")
-            return [Entry(**e) for e in data["entries"]]
+            configs = data.get("configs", [])
+            if not isinstance(configs, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("kept"), list) for c in configs):
+                raise ValueError("'configs' is not a list of configurations")
+            self.entries, self.configs = [Entry(**e) for e in data["entries"]], configs
         except (ValueError, TypeError, OSError) as e:
             aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
             try:
@@ -75,7 +87,6 @@ class Playbook:
                 aside = self.path
             warnings.warn(f"playbook {self.path} is unreadable ({e}); kept as {aside}, starting a new one",
                           stacklevel=2)
-            return []
 
     def record(self, entry: Entry) -> None:
         stamped = Entry(**{**asdict(entry), "time": entry.time or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
@@ -87,10 +98,27 @@ class Playbook:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".playbook-", dir=self.path.parent)
             with os.fdopen(fd, "w") as f:
-                json.dump({"version": VERSION, "entries": [asdict(e) for e in self.entries]}, f, indent=1)
+                json.dump({"version": VERSION, "entries": [asdict(e) for e in self.entries],
+                           "configs": self.configs}, f, indent=1)
             os.replace(tmp, self.path)
         except OSError as e:
             raise FirstlightError(f"cannot write the playbook {self.path}: {e}; give --playbook a writable path") from e
+
+    def record_config(self, chip: str, vendor: str, family: str, model: str, kept: list[dict[str, Any]],
+                      cost_ms: float | None) -> None:
+        """A configuration that met its goal: the remedies kept (Candidate.to_dict()), in the order applied."""
+        self.configs.append({"chip": chip, "vendor": vendor, "family": family, "model": model, "kept": kept,
+                             "cost_ms": cost_ms, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        self.save()
+
+    def prior_config(self, chip: str, family: str) -> dict[str, Any] | None:
+        """The passing configuration to start a bring-up on `chip` from: the newest of the same model
+        family on this chip, else the newest of any family on it (its module patterns are the shared
+        `layers.*.<module>` names). Another chip's configuration is not offered: its formats and
+        fidelities need not exist here. None when this chip has none, or it kept no remedy."""
+        on_chip = [c for c in self.configs if c.get("chip") == chip and c["kept"]]
+        same = [c for c in on_chip if c.get("family") == family]
+        return (same or on_chip or [None])[-1]
 
     def score(self, remedy: str, signature: str, kind: str, chip: str, vendor: str, family: str) -> float:
         """Past evidence for trying `remedy` on this signature: successes minus failures, weighted by similarity."""

@@ -63,6 +63,32 @@ def test_playbook_makes_the_second_family_cheaper(tiny_checkpoint, failing_chip,
     assert learned.final["verify_runs"] < fresh.final["verify_runs"]
 
 
+def test_a_second_bringup_on_the_chip_starts_from_the_passing_configuration(tiny_checkpoint, failing_chip,
+                                                                           tmp_path):
+    pb = tmp_path / "pb.json"
+    first = _loop(tiny_checkpoint("llama", seed=3), failing_chip, tmp_path / "a", pb).run()
+    assert first.final["met"] and first.prior == {"model": None}
+    configs = json.loads(pb.read_text())["configs"]
+    assert len(configs) == 1 and [c["description"] for c in configs[0]["kept"]] == \
+        [c["description"] for c in first.kept]
+    again = _loop(tiny_checkpoint("llama", seed=3), failing_chip, tmp_path / "b", pb).run()
+    # baseline, then every remedy of the first run at once: the goal holds in the second verify run
+    assert again.iterations[1]["phase"] == "correctness (prior)" and again.iterations[1]["outcome"] == "fixed"
+    assert again.final["met"] and again.final["verify_runs"] == 2 < first.final["verify_runs"]
+    assert again.prior["outcome"] == "fixed" and again.kept == first.kept
+    assert "correctness (prior)" in (tmp_path / "b" / "RUNBOOK.md").read_text()
+    # a configuration is offered on its own chip only
+    assert Playbook(pb).prior_config("h100-sxm", "llama") is None
+
+
+def test_a_playbook_with_malformed_configurations_is_set_aside(tmp_path):
+    pb = tmp_path / "pb.json"
+    pb.write_text(json.dumps({"version": 1, "entries": [], "configs": [{"chip": "x"}]}))
+    with pytest.warns(UserWarning, match="unreadable"):
+        book = Playbook(pb)
+    assert book.configs == [] and list(tmp_path.glob("pb.json.corrupt-*"))
+
+
 def test_a_remedy_that_makes_things_worse_is_reverted(tiny_checkpoint, failing_chip, tmp_path, monkeypatch):
     monkeypatch.setattr(R, "REGISTRY", dict(R.load_builtin()))
     bad = tmp_path / "bad_remedy.py"

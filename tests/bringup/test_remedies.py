@@ -56,6 +56,20 @@ def test_accumulation_candidates_change_the_site_and_the_direct_one_goes_first(c
     assert ranked[0].rules[0].module == "layers.*.mlp.down_proj"
 
 
+def test_a_remedy_kept_in_one_module_escalates_to_the_whole_model(ctx, tmp_path):
+    """Kept for down_proj, proposed again for o_proj: the model-wide variant goes before o_proj's."""
+    other = Accumulation(op="aten.mm.default", module="layers.2.self_attn.o_proj", reduction_len=576,
+                         accumulator="bf16", growth=0.6)
+    ctx.modules.append(other.module)
+    planner, info = PlaybookPlanner(Playbook(tmp_path / "pb.json")), RunInfo("c", "v", "llama", "m")
+    first = planner.rank(ACC, R.candidates(ACC, ctx), info)[0]
+    assert first.remedy == "widen_accumulator" and first.rules[0].module == "layers.*.mlp.down_proj"
+    cands = R.candidates(other, ctx)
+    assert planner.rank(other, cands, info)[0].rules[0].module == "layers.*.self_attn.o_proj"  # nothing kept
+    escalated = planner.rank(other, cands, info, kept=[first])[0]
+    assert escalated.remedy == "widen_accumulator" and all(r.module is None for r in escalated.rules)
+
+
 def test_split_k_rounds_to_a_hopper_mma(failing_chip):
     t = EmulatedTarget(chip="h100-sxm")
     ctx = R.RemedyContext(numerics=t.numerics, site=t.site_numerics)

@@ -105,7 +105,8 @@ def main() -> None:
                 shutil.copyfileobj(src, dst)
         else:
             shutil.copy(raw, args.out)
-        cfg_out = args.out.with_name(args.out.name.split(".")[0] + ".config.json")
+        stem = args.out.name.removesuffix(".gz").removesuffix(".jsonl")  # keep dots in the name (smollm2-r0.5)
+        cfg_out = args.out.with_name(stem + ".config.json")
         shutil.copy(Path(path) / "config.json", cfg_out)
     load_txt = f"concurrency {args.concurrency}" if args.concurrency else f"rate {args.rate}/s"
     print(f"{args.num_requests} requests ({load_txt}) in {wall:.1f} s; trace {args.out}; model config {cfg_out}")

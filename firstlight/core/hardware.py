@@ -107,7 +107,14 @@ class LinksSpec(_Strict):
 
 
 class EfficiencySpec(_Strict):
-    """Fractions of peak that kernels reach; one setting per spec, later calibrated from traces."""
+    """Fractions of peak that kernels reach; one setting per spec, later calibrated from traces.
+
+    `overlap` says how an op's compute and memory time combine: `max` (the roofline: a GPU streams
+    operands while its tensor cores work) or `additive` (their sum: a CPU GEMM packs and streams the
+    weights and then runs the FMAs, without overlapping the two). `gemv_memory` is the memory
+    efficiency of a one-row product (a decode step of one sequence): a CPU BLAS runs it as a
+    matrix-vector kernel that streams the weights once, faster than the packed GEMM it uses from two
+    rows on; None = `memory`. See sim/cost.py and docs/VALIDATION.md (this machine's engine)."""
 
     compute: float = Field(default=0.7, gt=0, le=1)
     memory: float = Field(default=0.8, gt=0, le=1)
@@ -118,6 +125,8 @@ class EfficiencySpec(_Strict):
     seq_overhead_us: float = Field(default=0.0, ge=0)  # per sequence per step (sampling, detokenize, output)
     request_overhead_us: float = Field(default=0.0, ge=0)  # per request once (API server, tokenize, admission)
     collective_overhead_us: float = Field(default=0.0, ge=0)  # software alpha per collective step
+    overlap: Literal["max", "additive"] = "max"  # how an op's compute and memory time combine
+    gemv_memory: float | None = Field(default=None, gt=0, le=1)  # memory efficiency of one-row products
 
 
 class MatmulNumericsSpec(_Strict):

@@ -11,6 +11,8 @@ kernels), and under efficiencies (e_c, e_m) and overheads (k per kernel, o per s
 
     sum_ops max(t_compute / e_c, t_memory / e_m) + kernels * k + network + o
 
+(with the spec's `overlap: additive`, the sum of the two times instead of their max; with its
+`gemv_memory` set, a one-row linear's memory time is divided by its own fitted efficiency e_v)
 fitted by least squares on relative error. k is fitted only when the kernel count varies between
 steps (firstlight's grouped runner runs one forward per chunk length); otherwise k and o are collinear
 and k stays at the spec's value. Network terms (TP all-reduce, PP sends) stay at the spec's network
@@ -38,7 +40,7 @@ from firstlight.sim.model import ModelDesc
 from firstlight.sim.parallel import ParallelConfig
 
 NETWORK_OPS = ("tp_all_reduce", "pp_send")
-FITTED = ("compute", "memory", "attention", "step_overhead_us", "seq_overhead_us")
+FITTED = ("compute", "memory", "attention", "step_overhead_us", "seq_overhead_us", "gemv_memory")
 
 
 class CalibrationError(FirstlightError):
@@ -106,10 +108,17 @@ class StepTerms:
     num_steps: int
     seqs: np.ndarray | None = None  # per step
     is_attention: np.ndarray | None = None  # per op
+    is_gemv: np.ndarray | None = None  # per op: a one-row linear
+    overlap: str = "max"  # how an op's compute and memory time combine (EfficiencySpec.overlap)
 
     def predict(self, compute: float, memory: float, kernel_overhead_us: float, step_overhead_us: float,
-                seq_overhead_us: float = 0.0, attention: float = 1.0) -> np.ndarray:
-        op_t = np.maximum(self.t_compute / compute, self.t_memory / memory)
+                seq_overhead_us: float = 0.0, attention: float = 1.0, gemv_memory: float | None = None,
+                ) -> np.ndarray:
+        t_mem = self.t_memory / memory
+        if gemv_memory is not None and self.is_gemv is not None:
+            t_mem = np.where(self.is_gemv, self.t_memory / gemv_memory, t_mem)
+        tc = self.t_compute / compute
+        op_t = tc + t_mem if self.overlap == "additive" else np.maximum(tc, t_mem)
         if attention != 1.0 and self.is_attention is not None:
             op_t = np.where(self.is_attention, op_t / attention, op_t)
         t = np.bincount(self.op_step, weights=op_t, minlength=self.num_steps)
@@ -123,10 +132,12 @@ def decompose(batches: list[Batch], model: ModelDesc, hw: HardwareSpec, par: Par
               runner: str = "fused") -> StepTerms:
     base = hw.efficiency
     unit = EfficiencySpec(compute=1.0, memory=1.0, network=base.network, kernel_overhead_us=1.0,
-                          step_overhead_us=0.0, collective_overhead_us=base.collective_overhead_us)
+                          step_overhead_us=0.0, collective_overhead_us=base.collective_overhead_us,
+                          overlap=base.overlap)
     cm = CostModel(model, hw, par, efficiency=unit, runner=runner)
     op_step: list[int] = []
     attn: list[bool] = []
+    gemv: list[bool] = []
     tcs: list[float] = []
     tms: list[float] = []
     kernels = np.zeros(len(batches))
@@ -139,11 +150,13 @@ def decompose(batches: list[Batch], model: ModelDesc, hw: HardwareSpec, par: Par
             tc, tm = op.flops / cm.flops_s, op.bytes / cm.mem_bw
             op_step.append(j)
             attn.append(op.name == "attention")
+            gemv.append(op.gemv)
             tcs.append(tc)
             tms.append(tm)
-            kernels[j] += (op.time_s - max(tc, tm)) / 1e-6
+            kernels[j] += (op.time_s - cm.combine(tc, tm)) / 1e-6
     return StepTerms(np.asarray(op_step, dtype=np.int64), np.asarray(tcs), np.asarray(tms), kernels, network,
-                     len(batches), np.array([b.num_seqs for b in batches], dtype=np.float64), np.asarray(attn))
+                     len(batches), np.array([b.num_seqs for b in batches], dtype=np.float64), np.asarray(attn),
+                     np.asarray(gemv, dtype=bool), base.overlap)
 
 
 # ---- the fit ----------------------------------------------------------------------------------------
@@ -152,7 +165,8 @@ def fit_efficiency(terms: StepTerms, measured_s: np.ndarray, start: EfficiencySp
     """Least squares on relative error; efficiencies in (0, 1], overheads >= 0.
 
     Fits compute and memory efficiency, the step overhead and a per-sequence overhead (the runner's
-    per-row work: input and block-table assembly, the padded KV gather). `fit_kernel=None` fits the
+    per-row work: input and block-table assembly, the padded KV gather), and the one-row (GEMV) memory
+    efficiency when the spec sets one and the trace has one-row forwards. `fit_kernel=None` fits the
     per-kernel overhead too when the kernel count varies between steps by more than 5% (otherwise it
     is collinear with the step overhead and stays at the spec value). `robust` uses a soft-L1 loss, so
     a few steps slowed by another process on a shared machine do not drag the fit."""
@@ -161,23 +175,36 @@ def fit_efficiency(terms: StepTerms, measured_s: np.ndarray, start: EfficiencySp
     if fit_kernel is None:
         k_cv = float(np.std(terms.kernels) / max(np.mean(terms.kernels), 1e-12))
         fit_kernel = k_cv > 0.05
-    names = ["compute", "memory", "attention", "step_overhead_us", "seq_overhead_us"] + (
-        ["kernel_overhead_us"] if fit_kernel else [])
-    x0 = np.array([start.compute, start.memory, start.attention, start.step_overhead_us, start.seq_overhead_us]
-                  + ([start.kernel_overhead_us] if fit_kernel else []), dtype=float)
-    lo = np.array([1e-3, 1e-3, 1e-3, 0.0, 0.0] + ([0.0] if fit_kernel else []))
-    hi = np.array([1.0, 1.0, 1.0, np.inf, np.inf] + ([np.inf] if fit_kernel else []))
+    fit_gemv = start.gemv_memory is not None and terms.is_gemv is not None and bool(terms.is_gemv.any())
+    # name: (start, lower, upper, scale)
+    params: dict[str, tuple[float, float, float, float]] = {
+        "compute": (start.compute, 1e-3, 1.0, 0.1), "memory": (start.memory, 1e-3, 1.0, 0.1),
+        "attention": (start.attention, 1e-3, 1.0, 0.1),
+        "step_overhead_us": (start.step_overhead_us, 0.0, np.inf, 10.0),
+        "seq_overhead_us": (start.seq_overhead_us, 0.0, np.inf, 10.0)}
+    if fit_kernel:
+        params["kernel_overhead_us"] = (start.kernel_overhead_us, 0.0, np.inf, 1.0)
+    if fit_gemv:
+        params["gemv_memory"] = (float(start.gemv_memory or start.memory), 1e-3, 1.0, 0.1)
+    names = list(params)
+    x0 = np.array([v[0] for v in params.values()], dtype=float)
+    lo = np.array([v[1] for v in params.values()])
+    hi = np.array([v[2] for v in params.values()])
     x0 = np.clip(x0, lo + 1e-9, np.where(np.isinf(hi), np.inf, hi - 1e-9))
 
     def residual(x: np.ndarray) -> np.ndarray:
-        k = x[5] if fit_kernel else start.kernel_overhead_us
-        return terms.predict(x[0], x[1], k, x[3], x[4], x[2]) / measured_s - 1.0
+        p = dict(zip(names, x, strict=True))
+        return terms.predict(p["compute"], p["memory"], p.get("kernel_overhead_us", start.kernel_overhead_us),
+                             p["step_overhead_us"], p["seq_overhead_us"], p["attention"],
+                             p.get("gemv_memory", start.gemv_memory)) / measured_s - 1.0
 
-    scale = np.maximum(np.abs(x0), [0.1, 0.1, 0.1, 10.0, 10.0] + ([1.0] if fit_kernel else []))
+    scale = np.maximum(np.abs(x0), [v[3] for v in params.values()])
     kw: dict[str, Any] = {"loss": "soft_l1", "f_scale": 0.05} if robust else {}
     sol = least_squares(residual, x0, bounds=(lo, hi), x_scale=scale, **kw)
     fit = dict(zip(names, (float(v) for v in sol.x), strict=True))
     fit.setdefault("kernel_overhead_us", float(start.kernel_overhead_us))
+    if start.gemv_memory is not None:
+        fit.setdefault("gemv_memory", float(start.gemv_memory))
     return fit, sol
 
 
@@ -274,10 +301,10 @@ def calibrate(trace: Trace | list[Trace], model: ModelDesc, hw: HardwareSpec, pa
     terms = decompose([s.batch for s in steps], model, hw, par, run)
     e0 = hw.efficiency
     before = terms.predict(e0.compute, e0.memory, e0.kernel_overhead_us, e0.step_overhead_us, e0.seq_overhead_us,
-                           e0.attention)
+                           e0.attention, e0.gemv_memory)
     fit, sol = fit_efficiency(terms, measured, e0)
     after = terms.predict(fit["compute"], fit["memory"], fit["kernel_overhead_us"], fit["step_overhead_us"],
-                          fit["seq_overhead_us"], fit["attention"])
+                          fit["seq_overhead_us"], fit["attention"], fit.get("gemv_memory"))
     host = fit_host(fit_traces)
     host_us = float(np.median(np.concatenate([host_times(t)[0] for t in fit_traces]))) * 1e6
     eff = e0.model_copy(update={**fit, "step_overhead_us": fit["step_overhead_us"] + host["step_us"],
@@ -288,7 +315,7 @@ def calibrate(trace: Trace | list[Trace], model: ModelDesc, hw: HardwareSpec, pa
     data["efficiency"] = eff.model_dump()
     data["sources"] = {**hw.sources, "efficiency": (
         f"calibrated by `firstlight sim calibrate` from {source} ({len(steps)} steps, model {model.name}, "
-        f"runner {run}, {clock} clock): execute_s median |err| {err_before['median_abs_pct']:.1f}% -> "
+        f"runner {run}, {clock} clock, {e0.overlap} overlap): execute_s median |err| {err_before['median_abs_pct']:.1f}% -> "
         f"{err_after['median_abs_pct']:.1f}%, p90 {err_before['p90_abs_pct']:.1f}% -> {err_after['p90_abs_pct']:.1f}%; "
         f"step overhead = fitted {fit['step_overhead_us']:.0f} us + host {host['step_us']:.0f} us; per-sequence "
         f"host {host['seq_us']:.0f} us (schedule + sample + inter-step gap = a + b * num_seqs)")}
@@ -321,13 +348,22 @@ def write_spec_yaml(spec: dict[str, Any], path: str | Path) -> Path:
 
 # ---- a synthetic trace (tests, docs) -----------------------------------------------------------------
 def synthetic_trace(model: ModelDesc, hw: HardwareSpec, efficiency: EfficiencySpec, num_steps: int = 300,
-                    seed: int = 0, noise: float = 0.0, par: ParallelConfig | None = None) -> Trace:
-    """Steps of mixed decode/prefill Batches timed by the cost model at `efficiency` (x lognormal noise)."""
+                    seed: int = 0, noise: float = 0.0, par: ParallelConfig | None = None,
+                    single_decode_fraction: float = 0.0) -> Trace:
+    """Steps of mixed decode/prefill Batches timed by the cost model at `efficiency` (x lognormal noise);
+    `single_decode_fraction` of the steps are one sequence's decode (a one-row forward: the GEMV term)."""
     rng = np.random.default_rng(seed)
     cm = CostModel(model, hw, par, efficiency=efficiency)
     trace = Trace(meta={"engine": "synthetic", "efficiency": efficiency.model_dump(), "seed": seed})
     t = 0.0
     for k in range(num_steps):
+        if single_decode_fraction and rng.random() < single_decode_fraction:
+            ctx = int(rng.integers(16, 2048))
+            batch = Batch((ScheduledSeq(f"s{k}", 1, ctx, min(ctx, 8)),), step=k)
+            execute = cm.time(batch) * (float(np.exp(rng.normal(0.0, noise))) if noise else 1.0)
+            trace.steps.append(rec := StepRecord(batch, t, 2e-4, execute, 1e-4))
+            t += rec.total_s
+            continue
         seqs = []
         for i in range(int(rng.integers(0, 33))):
             ctx = int(rng.integers(16, 2048))

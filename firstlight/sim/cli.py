@@ -533,7 +533,9 @@ def calibrate(trace: list[Path] = typer.Option(..., "--trace", help="engine trac
     typer.echo(f"{r['num_steps']} steps in {r['num_traces']} trace(s) of {r['model']} on {r['hardware']} "
                f"({r['clock']} clock, runner {r['runner']})")
     typer.echo(f"fit: compute {f['compute']:.3f}, memory {f['memory']:.3f}, step overhead {f['step_overhead_us']:.0f} us, "
-               f"per-seq {f['seq_overhead_us']:.0f} us, per-kernel {f['kernel_overhead_us']:.1f} us; host "
+               f"per-seq {f['seq_overhead_us']:.0f} us, per-kernel {f['kernel_overhead_us']:.1f} us"
+               + (f", one-row (GEMV) memory {f['gemv_memory']:.3f}" if f.get("gemv_memory") is not None else "")
+               + f"; {r['efficiency']['overlap']} overlap; host "
                f"{r['host']['step_us']:.0f} us + {r['host']['seq_us']:.0f} us/seq")
     typer.echo(f"execute_s error before: median {b['median_abs_pct']:.1f}%, p90 {b['p90_abs_pct']:.1f}%")
     typer.echo(f"execute_s error after:  median {a['median_abs_pct']:.1f}%, p90 {a['p90_abs_pct']:.1f}%")

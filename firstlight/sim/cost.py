@@ -17,6 +17,12 @@ forward over the flattened tokens of every sequence) or `grouped` (firstlight's 
 forward per distinct chunk length, `ModelRunner.execute` in engine/runner.py), where every forward
 reads the weights and launches its kernels again.
 
+A spec whose `efficiency.overlap` is `additive` (a CPU: its GEMMs pack and stream the weights, then
+run the FMAs, and do not overlap the two) prices an op by the sum of the two times instead of their
+max; its `efficiency.gemv_memory` prices the weight stream of a one-row linear (a matrix-vector
+kernel) apart from the packed GEMM's. Every op goes through `roofline`, so `time`, `step_time`, the
+serving simulator and calibration all price a step the same way.
+
 `CostModel.time(batch)` prices the Batch the engine scheduler emits; `step_time(...)` prices the same
 work from aggregates (what the serving simulator tracks) and is what `time()` calls, so both agree.
 """
@@ -45,6 +51,7 @@ class OpCost:
     bytes: float
     time_s: float
     bound: str  # compute | memory | network | overhead
+    gemv: bool = False  # a one-row linear, priced at `efficiency.gemv_memory`
 
     def to_dict(self) -> dict[str, float | str]:
         return asdict(self)
@@ -84,6 +91,9 @@ class CostModel:
                                for g in ("attention", "mlp", "lm_head", "sdpa")}
         self.flops_s = self.flops_by_group["mlp"]
         self.mem_bw = hw.memory.bandwidth_bytes_per_s * self.eff.memory
+        gemv = self.eff.gemv_memory if self.eff.gemv_memory is not None else self.eff.memory
+        self.gemv_bw = hw.memory.bandwidth_bytes_per_s * gemv
+        self.additive = self.eff.overlap == "additive"
         self.kernel_s = self.eff.kernel_overhead_us * 1e-6
         self.step_s = self.eff.step_overhead_us * 1e-6
         self.seq_s = self.eff.seq_overhead_us * 1e-6
@@ -101,24 +111,30 @@ class CostModel:
 
     # ---- primitives ---------------------------------------------------------------------------
     def roofline(self, name: str, flops: float, nbytes: float, kernels: float = 1.0,
-                 flops_s: float | None = None, scale: float = 1.0) -> OpCost:
+                 flops_s: float | None = None, scale: float = 1.0, gemv: bool = False) -> OpCost:
         """`flops_s`: the math rate of the op's precision group (default: the MLP's); `scale` divides the
-        achieved rates (attention kernels' own efficiency, `EfficiencySpec.attention`)."""
+        achieved rates (attention kernels' own efficiency, `EfficiencySpec.attention`); `gemv`: a
+        one-row product, its bytes move at the spec's matrix-vector rate."""
         tc = flops / ((flops_s or self.flops_s) * scale)
-        tm = nbytes / (self.mem_bw * scale)
+        tm = nbytes / ((self.gemv_bw if gemv else self.mem_bw) * scale)
         over = kernels * self.kernel_s
         bound = "compute" if tc >= tm else "memory"
-        if over > max(tc, tm):
+        t = self.combine(tc, tm)
+        if over > t:
             bound = "overhead"
-        return OpCost(name, flops, nbytes, max(tc, tm) + over, bound)
+        return OpCost(name, flops, nbytes, t + over, bound, gemv)
+
+    def combine(self, t_compute: float, t_memory: float) -> float:
+        """An op's time from its compute and memory times: max (overlapped) or their sum (`overlap`)."""
+        return t_compute + t_memory if self.additive else max(t_compute, t_memory)
 
     def _linear(self, lin: Linear, m: float, shard: int, layers: int, group: str = "mlp") -> OpCost:
         """`group`: attention | mlp | lm_head; picks the weight dtype and the math rate of the profile."""
         flops = 2.0 * m * lin.num_params / shard
         wb = self.wb_by_group[group]
         nbytes = lin.num_params * wb / shard + m * (lin.in_features + lin.out_features / shard) * self.ab
-        c = self.roofline(lin.name, flops, nbytes, flops_s=self.flops_by_group[group])
-        return OpCost(lin.name, flops * layers, nbytes * layers, c.time_s * layers, c.bound)
+        c = self.roofline(lin.name, flops, nbytes, flops_s=self.flops_by_group[group], gemv=m == 1)
+        return OpCost(lin.name, flops * layers, nbytes * layers, c.time_s * layers, c.bound, c.gemv)
 
     def _comm_link(self, group: int | None = None) -> tuple[float, float]:
         """(alpha, bandwidth) a collective over `group` ranks (default: the TP group) sees.

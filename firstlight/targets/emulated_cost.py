@@ -58,7 +58,13 @@ def predict(model: nn.Module, hw: HardwareSpec, site: Callable[[str, str], Any],
             prompt_len: int = 128) -> dict[str, Any]:
     """Predicted prefill (prompt_len tokens), decode step and tokens/s at batch 1 on `hw`."""
     cfg = model.config
-    bw = hw.memory.bandwidth_bytes_per_s * hw.efficiency.memory
+    eff = hw.efficiency
+    bw = hw.memory.bandwidth_bytes_per_s * eff.memory
+    gemv_bw = hw.memory.bandwidth_bytes_per_s * (eff.gemv_memory if eff.gemv_memory is not None else eff.memory)
+
+    def combine(t_compute: float, t_memory: float) -> float:  # the spec's overlap form, as sim/cost.py
+        return t_compute + t_memory if eff.overlap == "additive" else max(t_compute, t_memory)
+
     kernel_s = hw.efficiency.kernel_overhead_us * 1e-6
     step_s = hw.efficiency.step_overhead_us * 1e-6
     lins = _linears(model)
@@ -80,11 +86,11 @@ def predict(model: nn.Module, hw: HardwareSpec, site: Callable[[str, str], Any],
             s = site(path, "aten.mm")
             wb = n_out * k_in * DTYPE_BYTES[dtype_of(s.matmul.b_format)]
             weight_bytes += wb
-            t_lin += max(2.0 * m * n_out * k_in / matmul_flops_per_s(hw, s.matmul), wb / bw)
+            t_lin += combine(2.0 * m * n_out * k_in / matmul_flops_per_s(hw, s.matmul), wb / (gemv_bw if m == 1 else bw))
         pairs = m * ctx if m == 1 else m * (m + 1) / 2 + m * (ctx - m)  # causal prefill or one query
         flops = 4.0 * cfg.num_heads * cfg.head_dim * pairs * cfg.num_layers
         kv = 2.0 * cfg.num_kv_heads * cfg.head_dim * ctx * act_bytes * cfg.num_layers
-        t_attn = max(flops / attn_rate, kv / bw)
+        t_attn = combine(flops / attn_rate, kv / bw)
         t_host = 0.0
         if host_calls and host is not None:
             t_host = host_calls * 2 * host.latency_us * 1e-6 + host_bytes_per_token * m / (host.bandwidth_gbps * 1e9)

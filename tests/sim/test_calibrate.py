@@ -6,12 +6,13 @@ from typer.testing import CliRunner
 from firstlight.core.hardware import EfficiencySpec, load_spec, load_spec_file
 from firstlight.sim.calibrate import CalibrationError, calibrate, load_trace_steps, replay, synthetic_trace
 from firstlight.sim.cli import app
-from firstlight.sim.model import model_from_config
+from firstlight.sim.model import load_model, model_from_config
 
 TINY_CFG = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4000, "torch_dtype": "float32"}
+# cpu-host's form: compute and memory time add; a one-row product streams weights at its own rate
 TRUE = EfficiencySpec(compute=0.42, memory=0.35, network=0.5, kernel_overhead_us=20, step_overhead_us=700,
-                      collective_overhead_us=20)
+                      collective_overhead_us=20, overlap="additive", gemv_memory=0.55)
 
 
 @pytest.fixture(scope="module")
@@ -20,16 +21,43 @@ def tiny():
 
 
 def test_calibration_recovers_known_efficiencies(tiny):
-    hw = load_spec("cpu-host")  # its shipped efficiency (0.5 / 0.6 / 1000 us) is the wrong starting point
-    trace = synthetic_trace(tiny, hw, TRUE, num_steps=200, seed=1, noise=0.01)
+    hw = load_spec("cpu-host")  # its shipped efficiency (0.5 / 0.6 / 0.6 / 1000 us) is the wrong starting point
+    assert hw.efficiency.overlap == "additive"
+    trace = synthetic_trace(tiny, hw, TRUE, num_steps=200, seed=1, noise=0.01, single_decode_fraction=0.25)
     r = calibrate(trace, tiny, hw)
     assert r["fit"]["compute"] == pytest.approx(TRUE.compute, rel=0.03)
     assert r["fit"]["memory"] == pytest.approx(TRUE.memory, rel=0.03)
+    assert r["fit"]["gemv_memory"] == pytest.approx(TRUE.gemv_memory, rel=0.05)
+    assert r["spec"]["efficiency"]["overlap"] == "additive"
     assert r["fit"]["step_overhead_us"] == pytest.approx(TRUE.step_overhead_us, rel=0.05)
     assert r["after"]["median_abs_pct"] < 1.5 < r["before"]["median_abs_pct"]
     assert r["after"]["p90_abs_pct"] < r["before"]["p90_abs_pct"]
     # host time (schedule + sample = 300 us per synthetic step) is added for the serving simulator
     assert r["efficiency"]["step_overhead_us"] == pytest.approx(r["fit"]["step_overhead_us"] + 300, rel=1e-6)
+
+
+def test_additive_trace_is_not_fit_by_the_max_form(tiny):
+    """The form matters: the same additive trace fitted with the roofline's max leaves a clear error."""
+    hw = load_spec("cpu-host")
+    trace = synthetic_trace(tiny, hw, TRUE, num_steps=200, seed=1, single_decode_fraction=0.25)
+    r_add = calibrate(trace, tiny, hw)
+    as_max = hw.model_copy(update={"efficiency": hw.efficiency.model_copy(update={"overlap": "max"})})
+    r_max = calibrate(trace, tiny, as_max)
+    assert r_add["after"]["median_abs_pct"] < 0.1 < 1.0 < r_max["after"]["median_abs_pct"]
+
+
+def test_max_form_still_recovered_on_a_gpu_spec():
+    """GPU specs keep the roofline (max) and one memory efficiency: a max-form trace is recovered."""
+    hw = load_spec("h100")
+    model = load_model("llama-3.1-8b")  # big enough that an H100 step is not all overhead
+    assert hw.efficiency.overlap == "max" and hw.efficiency.gemv_memory is None
+    true = EfficiencySpec(compute=0.55, memory=0.7, network=0.8, kernel_overhead_us=6, step_overhead_us=900)
+    r = calibrate(synthetic_trace(model, hw, true, num_steps=200, seed=4, noise=0.01, single_decode_fraction=0.25),
+                  model, hw)
+    assert r["fit"]["compute"] == pytest.approx(true.compute, rel=0.03)
+    assert r["fit"]["memory"] == pytest.approx(true.memory, rel=0.03)
+    assert "gemv_memory" not in r["fit"] and r["spec"]["efficiency"]["gemv_memory"] is None
+    assert r["spec"]["efficiency"]["overlap"] == "max"
 
 
 def test_noise_free_fit_is_exact(tiny):

@@ -82,3 +82,32 @@ def test_moe_reads_only_active_experts_and_imbalance_grows_with_ep():
     assert many.bytes > 7.9 * expert_bytes
     ep = CostModel(m, hw, ParallelConfig(tp=8, ep=8))
     assert ep.moe_imbalance_factor(64, 8) > ep.moe_imbalance_factor(64000, 8) > 1.0
+
+
+def test_overlap_additive_sums_compute_and_memory_and_gemv_prices_one_row():
+    m = load_model("llama-3.1-8b")
+    hw = load_spec("h100")
+    flops, nbytes = 3e12, 2e9
+    tc, tm = flops / hw.flops_per_s("bf16"), nbytes / hw.memory.bandwidth_bytes_per_s
+    cm_max = CostModel(m, hw, efficiency=IDEAL)
+    add = IDEAL.model_copy(update={"overlap": "additive"})
+    cm_add = CostModel(m, hw, efficiency=add)
+    assert cm_max.roofline("x", flops, nbytes).time_s == pytest.approx(max(tc, tm))
+    assert cm_add.roofline("x", flops, nbytes).time_s == pytest.approx(tc + tm)
+    # the GEMV efficiency prices only one-row linears: a batch-1 decode's weights, not a batch-2 one's
+    gemv = CostModel(m, hw, efficiency=IDEAL.model_copy(update={"gemv_memory": 0.5}))
+    one, two = _decode(1, 100), _decode(2, 100)
+    lin = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
+    t1 = {op.name: op.time_s for op in gemv.breakdown(one)}
+    t1_ideal = {op.name: op.time_s for op in cm_max.breakdown(one)}
+    for name in lin:
+        assert t1[name] == pytest.approx(2 * t1_ideal[name], rel=1e-3)  # memory-bound at 1/0.5 the time
+    assert t1["attention"] == pytest.approx(t1_ideal["attention"])
+    assert gemv.time(two) == pytest.approx(cm_max.time(two))
+    assert all(op.gemv == (op.name in lin) for op in gemv.step_ops(one))
+
+
+def test_gpu_specs_keep_the_roofline_max():
+    for name in ("h100", "h200", "mi300x", "tpu-v5e", "trn2"):
+        eff = load_spec(name).efficiency
+        assert eff.overlap == "max" and eff.gemv_memory is None, name

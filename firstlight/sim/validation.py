@@ -46,6 +46,9 @@ NIM_70B = ("NVIDIA NIM benchmarking docs, docs.nvidia.com/nim/benchmarking/llm/1
 NEURON_70B = ("aws-neuron/aws-neuron-sdk libraries/nxd-inference/tutorials/trn2-llama3.3-70b-tutorial.rst and "
               "llama70b_perf_comparison.csv (commit 06f3378): trn2.48xlarge, TP64 at LNC=2 (16 Trainium2), bf16, "
               "batch 1, vLLM max-num-seqs 1, LLMPerf 10000 in / 1500 out, 1 concurrent request, 50 requests")
+NEURON_TRN1 = ("aws-neuron/aws-neuron-sdk about-neuron/benchmarks/trn1/latency_data_decoder.csv (commit 7c165a3): "
+               "Llama-3-70B, Transformers NeuronX (Neuron 2.18.1), trn1.32xlarge, TP degree 32 (NeuronCores = 16 "
+               "Trainium chips), batch 1, bf16 weights, Matmult-BF16, 'TTFT / TPOT Latency P50 (ms)'")
 NEURON_405B = ("aws-neuron/aws-neuron-sdk libraries/nxd-inference/tutorials/trn2-llama3.1-405b-speculative-tutorial.rst "
                "(commit 2ae3525) and llama405b_perf_comparison.csv (commit ba1c08b), scenario 1 (bf16, no "
                "speculation): trn2.48xlarge, TP64 at LNC=2, batch 1, LLMPerf 10000 in / 1500 out requested "
@@ -291,6 +294,12 @@ ROWS: list[Row] = [
     Row("Llama-3.1-405B bf16, trn2.48xlarge (16 Trainium2, TP16), 10000 in / 1785 out, concurrency 1: ITL p50",
         "decode", "ms", 37.93, NEURON_405B,
         lambda: _single_stream_p50_ms("llama-3.1-405b", "trn2-48xl", 16, 10000, 1785, "tpot")),
+    # ---- Trainium (first generation): AWS's published latency table, batch 1, p50 ---------------------------------
+    *[Row(f"Llama-3-70B bf16, trn1.32xlarge (16 Trainium, TP16), batch 1, {isl} in / {osl} out: {m.upper()} p50",
+          "prefill" if m == "ttft" else "decode", "ms", ms, NEURON_TRN1,
+          (lambda isl=isl, osl=osl, m=m: _single_stream_p50_ms("llama-3.1-70b", "trn1-32xl", 16, isl, osl, m)))
+      for isl, osl, ttft, tpot in [(2048, 2048, 547.0, 26.2), (128, 1024, 53.2, 24.48), (128, 128, 52.53, 26.48)]
+      for m, ms in (("ttft", ttft), ("tpot", tpot))],
 ]
 
 

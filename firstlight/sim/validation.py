@@ -37,12 +37,28 @@ OCI_MI300X = ("Oracle Cloud blog 'Serving Llama 3.1 405B model with AMD MI300X G
               "benchmark_latency.py, FP8, 128 in / 128 out)")
 GPT_FAST = ("pytorch-labs/gpt-fast README: Mixtral 8x7B bf16, batch 1, tokens/s on 8xA100-80GB "
             "(power-limited to 330 W)")
+TRTLLM_PP = ("NVIDIA/TensorRT-LLM docs/source/performance/perf-overview.md (v1.0 docs, commit 00f3768), "
+             "'RTX 6000 Pro Blackwell Server Edition' tables: trtllm-bench throughput, infinite request rate, "
+             "FP4, 'N GPUs TPx,PPy', Total Output Throughput")
+NIM_70B = ("NVIDIA NIM benchmarking docs, docs.nvidia.com/nim/benchmarking/llm/1.0.0/performance: "
+           "Llama-3.3-70b-instruct NIM 1.8.0, '2 x H100 80G', 'fp8 TP2', '5000 Input Tokens / 500 Output Tokens', "
+           "AIPerf at a fixed concurrency, 'ITL (ms)'")
+NEURON_70B = ("aws-neuron/aws-neuron-sdk libraries/nxd-inference/tutorials/trn2-llama3.3-70b-tutorial.rst and "
+              "llama70b_perf_comparison.csv (commit 06f3378): trn2.48xlarge, TP64 at LNC=2 (16 Trainium2), bf16, "
+              "batch 1, vLLM max-num-seqs 1, LLMPerf 10000 in / 1500 out, 1 concurrent request, 50 requests")
+NEURON_TRN1 = ("aws-neuron/aws-neuron-sdk about-neuron/benchmarks/trn1/latency_data_decoder.csv (commit 7c165a3): "
+               "Llama-3-70B, Transformers NeuronX (Neuron 2.18.1), trn1.32xlarge, TP degree 32 (NeuronCores = 16 "
+               "Trainium chips), batch 1, bf16 weights, Matmult-BF16, 'TTFT / TPOT Latency P50 (ms)'")
+NEURON_405B = ("aws-neuron/aws-neuron-sdk libraries/nxd-inference/tutorials/trn2-llama3.1-405b-speculative-tutorial.rst "
+               "(commit 2ae3525) and llama405b_perf_comparison.csv (commit ba1c08b), scenario 1 (bf16, no "
+               "speculation): trn2.48xlarge, TP64 at LNC=2, batch 1, LLMPerf 10000 in / 1500 out requested "
+               "(1785 generated, p50), 1 concurrent request, 50 requests")
 
 
 @dataclass(frozen=True)
 class Row:
     what: str
-    kind: str  # decode | prefill+decode | throughput | collective
+    kind: str  # decode | prefill | prefill+decode | throughput | pipeline | latency-under-load | collective
     unit: str
     measured: float
     source: str
@@ -75,14 +91,41 @@ def _busbw_gbps(hw: str, nbytes: float = 8e9, p: int = 8, algorithm: str = "ring
 
 
 def _offline_output_tokens_per_s(model: str, hw: str, tp: int, isl: int, osl: int, num_requests: int,
-                                  dtype: str = "fp8") -> float:
+                                  dtype: str = "fp8", pp: int = 1, precision: str | None = None) -> float:
     """trtllm-bench's throughput scenario through the serving simulator: every request queued at t=0,
-    continuous batching (max 2048 seqs, 8192 batched tokens), KV capacity from the memory plan."""
+    continuous batching (max 2048 seqs, 8192 batched tokens), KV capacity from the memory plan.
+
+    With pp > 1: pp micro-batches per step on the `async` schedule, TensorRT-LLM's PyTorch PP executor loop
+    (`_executor_loop_pp`: a new micro-batch enters stage 1 every iteration, pp batches in flight)."""
     n = num_requests
     wl = Workload(np.zeros(n), np.full(n, isl, dtype=np.int64), np.full(n, osl, dtype=np.int64))
-    cfg = ServeConfig(tp=tp, max_num_seqs=2048, max_num_batched_tokens=8192)
-    result, _ = run_serve(load_model(model, weight_dtype=dtype, kv_dtype=dtype), load_spec(hw), wl, cfg)
+    cfg = ServeConfig(tp=tp, pp=pp, max_num_seqs=2048, max_num_batched_tokens=8192, pipeline_schedule="async")
+    m = load_model(model, precision=precision) if precision else load_model(model, weight_dtype=dtype, kv_dtype=dtype)
+    result, _ = run_serve(m, load_spec(hw), wl, cfg)
     return float(result["throughput"]["output_tokens_per_s"])
+
+
+def _closed_loop_itl_ms(model: str, hw: str, tp: int, isl: int, osl: int, concurrency: int, dtype: str = "fp8",
+                        requests_per_client: int = 8) -> float:
+    """A closed-loop load of `concurrency` clients (AIPerf / LLMPerf --concurrency) sending equal requests: the
+    same schedule as every request queued at t=0 with at most `concurrency` running (a new one is admitted
+    when one finishes). Returns the mean inter-token time (TPOT, first token excluded), which queueing before
+    admission does not touch."""
+    n = max(requests_per_client * concurrency, 16)
+    wl = Workload(np.zeros(n), np.full(n, isl, dtype=np.int64), np.full(n, osl, dtype=np.int64))
+    result, _ = run_serve(load_model(model, weight_dtype=dtype, kv_dtype=dtype), load_spec(hw), wl,
+                          ServeConfig(tp=tp, max_num_seqs=concurrency))
+    return float(result["tpot_s"]["mean"]) * 1e3
+
+
+def _single_stream_p50_ms(model: str, hw: str, tp: int, isl: int, osl: int, metric: str,
+                          precision: str = "bf16") -> float:
+    """One request at a time into an idle replica (1 concurrent client, max_num_seqs 1, the whole prompt
+    in one prefill step as Neuron's context encoding runs it): the p50 TTFT or TPOT of that request."""
+    wl = Workload(np.zeros(1), np.array([isl], dtype=np.int64), np.array([osl], dtype=np.int64))
+    result, _ = run_serve(load_model(model, precision=precision), load_spec(hw), wl,
+                          ServeConfig(tp=tp, max_num_seqs=1, max_num_batched_tokens=max(8192, isl)))
+    return float(result[f"{metric}_s"]["p50"]) * 1e3
 
 
 def _ttft_ms(model: str, hw: str, tp: int, isl: int, dtype: str) -> float:
@@ -111,6 +154,14 @@ def _tt(model: str, hw: str, tp: int) -> Callable[[], float]:
 
 def _trt(model: str, hw: str, tp: int, isl: int, osl: int, n: int) -> Callable[[], float]:
     return lambda: _offline_output_tokens_per_s(model, hw, tp, isl, osl, n)
+
+
+def _trt_pp(model: str, pp: int, isl: int, osl: int, n: int) -> Callable[[], float]:
+    return lambda: _offline_output_tokens_per_s(model, "rtx-pro-6000", 1, isl, osl, n, pp=pp, precision="nvfp4")
+
+
+def _nim(c: int) -> Callable[[], float]:
+    return lambda: _closed_loop_itl_ms("llama-3.1-70b", "h100-sxm", 2, 5000, 500, c)
 
 
 def _nemo(hw: str, tp: int, batch: int) -> Callable[[], float]:
@@ -202,10 +253,57 @@ ROWS: list[Row] = [
     Row("all_reduce busbw, 8xH200 NVLink (NCCL default: NVLS), 4 GB", "collective", "GB/s", 475.0,
         "NVIDIA/nccl-tests issue #272 (8xH200, NCCL 2.20.3: peak busbw 475 GB/s)",
         lambda: _busbw_gbps("h200", 4e9, algorithm="nvls")),
+    # ---- issue 14 item 9: pipeline parallelism (TensorRT-LLM, RTX PRO 6000 over PCIe, no NVLink) ---------------
+    Row("Llama-3.3-70B nvfp4, RTX PRO 6000, TP1 PP1 (1 GPU), 3000 req 1000 in / 1000 out, all queued at t=0",
+        "throughput", "out tok/s", 1787, TRTLLM_PP, _trt_pp("llama-3.1-70b", 1, 1000, 1000, 3000)),
+    Row("Llama-3.3-70B nvfp4, RTX PRO 6000, TP1 PP2, 3000 req 1000 in / 1000 out, all queued at t=0",
+        "pipeline", "out tok/s", 3707, TRTLLM_PP, _trt_pp("llama-3.1-70b", 2, 1000, 1000, 3000)),
+    Row("Llama-3.3-70B nvfp4, RTX PRO 6000, TP1 PP4, 3000 req 1000 in / 1000 out, all queued at t=0",
+        "pipeline", "out tok/s", 5961, TRTLLM_PP, _trt_pp("llama-3.1-70b", 4, 1000, 1000, 3000)),
+    Row("Llama-3.3-70B nvfp4, RTX PRO 6000, TP1 PP8, 3000 req 1000 in / 1000 out, all queued at t=0",
+        "pipeline", "out tok/s", 8166, TRTLLM_PP, _trt_pp("llama-3.1-70b", 8, 1000, 1000, 3000)),
+    Row("Llama-3.3-70B nvfp4, RTX PRO 6000, TP1 PP1 (1 GPU), 3000 req 2048 in / 128 out, all queued at t=0",
+        "throughput", "out tok/s", 393, TRTLLM_PP, _trt_pp("llama-3.1-70b", 1, 2048, 128, 3000)),
+    Row("Llama-3.3-70B nvfp4, RTX PRO 6000, TP1 PP2, 3000 req 2048 in / 128 out, all queued at t=0",
+        "pipeline", "out tok/s", 813, TRTLLM_PP, _trt_pp("llama-3.1-70b", 2, 2048, 128, 3000)),
+    Row("Llama-3.3-70B nvfp4, RTX PRO 6000, TP1 PP4, 3000 req 2048 in / 128 out, all queued at t=0",
+        "pipeline", "out tok/s", 1511, TRTLLM_PP, _trt_pp("llama-3.1-70b", 4, 2048, 128, 3000)),
+    Row("Llama-3.3-70B nvfp4, RTX PRO 6000, TP1 PP8, 3000 req 2048 in / 128 out, all queued at t=0",
+        "pipeline", "out tok/s", 2495, TRTLLM_PP, _trt_pp("llama-3.1-70b", 8, 2048, 128, 3000)),
+    Row("Llama-3.1-405B nvfp4, RTX PRO 6000, TP1 PP8, 30000 req 128 in / 128 out, all queued at t=0",
+        "pipeline", "out tok/s", 4452, TRTLLM_PP, _trt_pp("llama-3.1-405b", 8, 128, 128, 30000)),
+    Row("Llama-3.1-405B nvfp4, RTX PRO 6000, TP1 PP8, 3000 req 1000 in / 1000 out, all queued at t=0",
+        "pipeline", "out tok/s", 2369, TRTLLM_PP, _trt_pp("llama-3.1-405b", 8, 1000, 1000, 3000)),
+    Row("Llama-3.1-405B nvfp4, RTX PRO 6000, TP1 PP8, 3000 req 2048 in / 128 out, all queued at t=0",
+        "pipeline", "out tok/s", 579, TRTLLM_PP, _trt_pp("llama-3.1-405b", 8, 2048, 128, 3000)),
+    # ---- issue 14 item 9: latency under load (closed loop at a fixed concurrency) ------------------------------
+    *[Row(f"Llama-3.3-70B fp8, 2x H100 (TP2), 5000 in / 500 out, concurrency {c}: ITL", "latency-under-load",
+          "ms", itl, NIM_70B, _nim(c))
+      for c, itl in [(1, 18.58), (5, 21.83), (25, 38.75), (50, 59.73), (100, 92.91), (150, 92.86), (200, 93.06),
+                     (250, 93.2)]],
+    # ---- issue 14 item 9: Trainium2 (p50 latency, one request at a time) ---------------------------------------
+    Row("Llama-3.3-70B bf16, trn2.48xlarge (16 Trainium2, TP16), 10000 in / 1500 out, concurrency 1: TTFT p50",
+        "prefill", "ms", 575.7, NEURON_70B,
+        lambda: _single_stream_p50_ms("llama-3.1-70b", "trn2-48xl", 16, 10000, 1501, "ttft")),
+    Row("Llama-3.3-70B bf16, trn2.48xlarge (16 Trainium2, TP16), 10000 in / 1500 out, concurrency 1: ITL p50",
+        "decode", "ms", 19.83, NEURON_70B,
+        lambda: _single_stream_p50_ms("llama-3.1-70b", "trn2-48xl", 16, 10000, 1501, "tpot")),
+    Row("Llama-3.1-405B bf16, trn2.48xlarge (16 Trainium2, TP16), 10000 in / 1785 out, concurrency 1: TTFT p50",
+        "prefill", "ms", 2442.0, NEURON_405B,
+        lambda: _single_stream_p50_ms("llama-3.1-405b", "trn2-48xl", 16, 10000, 1785, "ttft")),
+    Row("Llama-3.1-405B bf16, trn2.48xlarge (16 Trainium2, TP16), 10000 in / 1785 out, concurrency 1: ITL p50",
+        "decode", "ms", 37.93, NEURON_405B,
+        lambda: _single_stream_p50_ms("llama-3.1-405b", "trn2-48xl", 16, 10000, 1785, "tpot")),
+    # ---- Trainium (first generation): AWS's published latency table, batch 1, p50 ---------------------------------
+    *[Row(f"Llama-3-70B bf16, trn1.32xlarge (16 Trainium, TP16), batch 1, {isl} in / {osl} out: {m.upper()} p50",
+          "prefill" if m == "ttft" else "decode", "ms", ms, NEURON_TRN1,
+          (lambda isl=isl, osl=osl, m=m: _single_stream_p50_ms("llama-3.1-70b", "trn1-32xl", 16, isl, osl, m)))
+      for isl, osl, ttft, tpot in [(2048, 2048, 547.0, 26.2), (128, 1024, 53.2, 24.48), (128, 128, 52.53, 26.48)]
+      for m, ms in (("ttft", ttft), ("tpot", tpot))],
 ]
 
 
-VENDOR_OF = {"tt-metal": "Tenstorrent", "Gaudi 2": "Intel", "Gaudi 3": "Intel", "MI300X": "AMD"}
+VENDOR_OF = {"tt-metal": "Tenstorrent", "Gaudi 2": "Intel", "Gaudi 3": "Intel", "MI300X": "AMD", "aws-neuron": "AWS"}
 
 
 def _vendor(row: Row) -> str:
@@ -232,8 +330,17 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
     errs = sorted(abs(r["error_pct"]) for r in rows)
     lines.append("")
     lines.append(f"median |error| {errs[len(errs) // 2]:.1f}%, max |error| {errs[-1]:.1f}% over {len(rows)} rows")
-    lines += ["", "| vendor | rows | median abs error | max abs error |", "|---|---|---|---|"]
-    for vendor in sorted({r.get("vendor", "NVIDIA") for r in rows}):
-        e = sorted(abs(r["error_pct"]) for r in rows if r.get("vendor", "NVIDIA") == vendor)
-        lines.append(f"| {vendor} | {len(e)} | {e[len(e) // 2]:.1f}% | {e[-1]:.1f}% |")
+    for key, title in (("vendor", "vendor"), ("kind", "category")):
+        lines += ["", f"| {title} | rows | median abs error | max abs error |", "|---|---|---|---|"]
+        for name, (n, median, worst) in error_summary(rows, key).items():
+            lines.append(f"| {name} | {n} | {median:.1f}% | {worst:.1f}% |")
     return "\n".join(lines)
+
+
+def error_summary(rows: list[dict[str, Any]], key: str) -> dict[str, tuple[int, float, float]]:
+    """Rows grouped by `key` (vendor | kind): name -> (rows, median |error| %, max |error| %), sorted by name.
+    The median of an even count is the upper of the two middle values, as in the overall line."""
+    groups: dict[str, list[float]] = {}
+    for r in rows:
+        groups.setdefault(str(r.get(key, "NVIDIA")), []).append(abs(r["error_pct"]))
+    return {name: (len(e), sorted(e)[len(e) // 2], max(e)) for name, e in sorted(groups.items())}

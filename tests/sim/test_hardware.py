@@ -11,7 +11,9 @@ REQUIRED = ["a100-80gb", "h100-sxm", "h200", "b200", "mi300x", "tpu-v5e", "train
             "hgx-h100", "hgx-b200", "gb200-nvl72", "mi325x", "mi325x-x8", "mi350x", "mi350x-x8", "mi300x-x8",
             "gaudi2", "gaudi2-hls", "gaudi3", "gaudi3-hls", "tpu-v5p", "tpu-v5p-64", "tpu-v6e", "tpu-v6e-8",
             "inferentia2", "inf2-48xl", "trainium1", "trn1-32xl", "trn2-48xl", "wormhole-n150", "t3k",
-            "galaxy-wormhole", "blackhole-p150x4"]
+            "galaxy-wormhole", "blackhole-p150x4",
+            # issue 14 item 9: the pipeline-parallel validation rows (TensorRT-LLM on PCIe-only GPUs)
+            "rtx-pro-6000"]
 
 
 def test_all_required_specs_ship_and_validate():

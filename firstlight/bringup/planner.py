@@ -22,6 +22,7 @@ from typing import Protocol
 from firstlight.bringup.playbook import Playbook
 from firstlight.bringup.remedies import Candidate
 from firstlight.bringup.signatures import Signature
+from firstlight.targets.overrides import OverrideRule
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,20 @@ def scoped(c: Candidate) -> bool:
     return any(r.module is not None for r in c.rules)
 
 
+def widens(wide: Candidate, kept: Candidate) -> bool:
+    """Whether `wide` is `kept` (a module-scoped candidate) applied to the whole model: the same remedy,
+    and every rule of `kept` set, without its module, by a rule of `wide` (on the same op, when `kept`
+    names one and `wide` does too: exact SiLU in the MLP does not make exact exp everywhere its widening)."""
+    if wide.remedy != kept.remedy or scoped(wide) or not scoped(kept):
+        return False
+
+    def what(r: OverrideRule) -> str:
+        return r.model_dump_json(exclude_none=True, exclude={"module", "op", "why"})
+
+    return all(any(what(w) == what(k) and (None in (k.op, w.op) or k.op == w.op) for w in wide.rules)
+               for k in kept.rules)
+
+
 class PlaybookPlanner:
     def __init__(self, playbook: Playbook) -> None:
         self.playbook = playbook
@@ -54,13 +69,11 @@ class PlaybookPlanner:
         variant of a remedy already kept for another module (escalation); when most units fail
         (spread > 0.5) the failure is not local, so model-wide candidates go before ones scoped to the
         failing module; then cost rank, then registry order."""
-        escalate = {c.remedy for c in kept if scoped(c)}
-
         def key(ic: tuple[int, Candidate]) -> tuple[float, int, int, int, int, int]:
             i, c = ic
             score = self.playbook.score(c.remedy, sig.key(), sig.kind, info.chip, info.vendor, info.family)
             local = scoped(c)
-            wide = int(not (c.remedy in escalate and not local))
+            wide = int(not any(widens(c, k) for k in kept))
             return (-score, int(not c.primary), wide, int(local) if spread > 0.5 else int(not local), c.cost_rank, i)
 
         return [c for _, c in sorted(enumerate(candidates), key=key)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from firstlight.bringup import remedies as R
-from firstlight.bringup.planner import PlaybookPlanner, RunInfo
+from firstlight.bringup.planner import PlaybookPlanner, RunInfo, widens
 from firstlight.bringup.playbook import Playbook
 from firstlight.bringup.signatures import (
     Accumulation,
@@ -68,6 +68,14 @@ def test_a_remedy_kept_in_one_module_escalates_to_the_whole_model(ctx, tmp_path)
     assert planner.rank(other, cands, info)[0].rules[0].module == "layers.*.self_attn.o_proj"  # nothing kept
     escalated = planner.rank(other, cands, info, kept=[first])[0]
     assert escalated.remedy == "widen_accumulator" and all(r.module is None for r in escalated.rules)
+    # only the same change widens: an fp32 accumulator kept somewhere does not escalate another setting
+    assert not widens(R.Candidate("widen_accumulator", (R.rule(op="aten.mm", matmul={"accumulator": "bf16"}),), "x"),
+                      first)
+    silu = R.Candidate("exact_transcendental", (R.rule(module="layers.*.mlp", op="aten.silu",
+                                                       transcendental="exact"),), "exact silu in the MLP")
+    exp = R.Candidate("exact_transcendental", (R.rule(op="aten.exp", transcendental="exact"),), "exact exp")
+    assert not widens(exp, silu)
+    assert widens(R.Candidate("exact_transcendental", (R.rule(op="aten.silu", transcendental="exact"),), "y"), silu)
 
 
 def test_split_k_rounds_to_a_hopper_mma(failing_chip):

@@ -326,8 +326,8 @@ class BringupLoop:
             return current
         bundle = [_candidate(c) for c in config["kept"]]
         whole = R.Candidate("prior_configuration", tuple(r for c in bundle for r in c.rules),
-                            f"start from the passing configuration of {Path(config['model']).name} "
-                            f"({config.get('family')}) on this chip: {len(bundle)} remedies")
+                            f"start from {Path(config['model']).name}'s passing configuration on this chip "
+                            f"({len(bundle)} remedies)")
         trial = self.evaluate(bundle)
         outcome = judge(current, trial)
         st.prior["outcome"] = outcome

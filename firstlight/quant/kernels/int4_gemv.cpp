@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -76,40 +77,56 @@ void rows_avx2(const float* x, int64_t ldx, const uint8_t* wq, const float* d, c
   }
 }
 
+// Four output rows at a time: the x loads are shared, and one transpose-add reduces the four rows.
+template <int R>
+void rows_avx2_m1(const float* xt, const float* xs, const uint8_t* wq, const float* d, const float* m, int64_t K,
+                  int64_t G, float* y, int64_t n) {
+  const int64_t ngroups = K / G, nblocks = K / kBlock;
+  int shift = 0;  // block -> group: b >> shift (G / 32 is a power of two)
+  while ((kBlock << shift) < G) ++shift;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const float* xb = xt + b * kBlock;
+    const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
+    const __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* p = wq + (n + r) * (K / 2) + b * (kBlock / 2);
+      const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+      const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+      __m256 t0 = _mm256_mul_ps(_mm256_cvtepi32_ps(b0), x0);
+      __m256 t1 = _mm256_mul_ps(_mm256_cvtepi32_ps(b1), x1);
+      t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), x2, t0);
+      t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), x3, t1);
+      acc[r] = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), _mm256_broadcast_ss(d + (n + r) * ngroups + (b >> shift)), acc[r]);
+    }
+  }
+  float tail[R] = {};
+  for (int r = 0; r < R; ++r) {
+    const float* mr = m + (n + r) * ngroups;
+    int64_t g = 0;
+    for (; g + 8 <= ngroups; g += 8) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mr + g), _mm256_loadu_ps(xs + g), acc[r]);
+    for (; g < ngroups; ++g) tail[r] += mr[g] * xs[g];
+  }
+  if constexpr (R == 4) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    _mm_storeu_ps(y + n, _mm_add_ps(s, _mm_loadu_ps(tail)));
+  } else {
+    for (int r = 0; r < R; ++r) y[n + r] = hsum(acc[r]) + tail[r];
+  }
+}
+
 // M = 1 (single-stream decode): fewer instructions per weight. With byte = lo + 16 * hi of each block,
 //   sum q x = sum byte * x_lo + sum hi * (x_hi - 16 x_lo)        (xt holds x_lo and x_hi - 16 x_lo)
 //   sum w x = sum_blocks d * sum q x + sum_groups m * (sum of x over the group)   (xs: those sums)
-// so a block is 2 zero-extending loads, 2 shifts, 4 converts, 4 FMAs and one FMA by d; no mask, no
+// so a block is 2 zero-extending loads, 2 shifts, 4 converts, 5 multiply-adds and one by d; no mask, no
 // per-weight fma(q, d, m). The cancellation in x_hi - 16 x_lo costs at most 4 bits of fp32 mantissa.
 void row_avx2_m1(const float* xt, const float* xs, const uint8_t* wq, const float* d, const float* m, int64_t K,
                  int64_t G, float* y, int64_t n0, int64_t n1) {
-  const int64_t ngroups = K / G, bpg = G / kBlock;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* p = wq + n * (K / 2);
-    const float* dr = d + n * ngroups;
-    const float* mr = m + n * ngroups;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    const float* xb = xt;
-    for (int64_t g = 0; g < ngroups; ++g) {
-      const __m256 vd = _mm256_set1_ps(dr[g]);
-      for (int64_t bb = 0; bb < bpg; ++bb, p += kBlock / 2, xb += kBlock) {
-        const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-        const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
-        __m256 t0 = _mm256_mul_ps(_mm256_cvtepi32_ps(b0), _mm256_loadu_ps(xb));
-        __m256 t1 = _mm256_mul_ps(_mm256_cvtepi32_ps(b1), _mm256_loadu_ps(xb + 8));
-        t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), _mm256_loadu_ps(xb + 16), t0);
-        t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), _mm256_loadu_ps(xb + 24), t1);
-        acc0 = _mm256_fmadd_ps(t0, vd, acc0);
-        acc1 = _mm256_fmadd_ps(t1, vd, acc1);
-      }
-    }
-    float ms = 0.f;
-    int64_t g = 0;
-    __m256 macc = _mm256_setzero_ps();
-    for (; g + 8 <= ngroups; g += 8) macc = _mm256_fmadd_ps(_mm256_loadu_ps(mr + g), _mm256_loadu_ps(xs + g), macc);
-    for (; g < ngroups; ++g) ms += mr[g] * xs[g];
-    y[n] = hsum(_mm256_add_ps(acc0, acc1)) + hsum(macc) + ms;
-  }
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) rows_avx2_m1<4>(xt, xs, wq, d, m, K, G, y, n);
+  for (; n < n1; ++n) rows_avx2_m1<1>(xt, xs, wq, d, m, K, G, y, n);
 }
 #endif
 
@@ -163,7 +180,8 @@ void check_args(const at::Tensor& packed, const at::Tensor& d, const at::Tensor&
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
               "firstlight::int4 packed must be contiguous uint8 [N, K/2]");
   const int64_t N = packed.size(0), K = packed.size(1) * 2;
-  TORCH_CHECK(G > 0 && G % kBlock == 0 && K % G == 0, "firstlight::int4 group_size must be a multiple of 32 dividing K, got ", G);
+  TORCH_CHECK(G >= kBlock && (G & (G - 1)) == 0 && K % G == 0,
+              "firstlight::int4 group_size must be a power of two >= 32 dividing K, got ", G);
   for (const auto* t : {&d, &m})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
                     t->size(1) == K / G,

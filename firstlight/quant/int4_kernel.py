@@ -27,7 +27,7 @@ MODES = ("auto", "aten", "firstlight")
 SOURCE = Path(__file__).parent / "kernels" / "int4_gemv.cpp"
 BLOCK = 32  # input channels per 16-byte block of nibbles
 # Above this many activation rows, int4_mm dequantizes once and calls at::mm (benchmarks/int4_kernel.py).
-MAX_TILED_M = 48
+MAX_TILED_M = 16
 
 _state: dict[str, object] = {}
 _fakes: list[bool] = []  # register_fake once per process, however often the load is re-decided

@@ -63,8 +63,9 @@ def test_int4_mm_equals_fp32_dequantized_matmul(kernel_isa, m, n, k, g):
     assert torch.allclose(y, ref, rtol=0, atol=1e-5 * ref.abs().max().item() + 1e-6)
 
 
-def test_int4_mm_large_m_dequantize_path_matches(kernel_isa):
-    q, scale, zero = _case(48, 128, 32)
+@pytest.mark.parametrize("n", [48, 9000])  # 9000 rows of K=128: dequantized in two slabs
+def test_int4_mm_large_m_dequantize_path_matches(kernel_isa, n):
+    q, scale, zero = _case(n, 128, 32)
     packed, d, mins = int4_kernel.pack_int4(q, scale, zero, 32)
     x = torch.randn(int4_kernel.MAX_TILED_M + 3, 128)
     y = int4_kernel.int4_mm(x, packed, d, mins, 32)

@@ -198,6 +198,22 @@ at::Tensor int4_dequant(const at::Tensor& packed, const at::Tensor& d, const at:
   const float *dp = d.data_ptr<float>(), *mp = m.data_ptr<float>();
   float* out = w.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+#ifdef __AVX2__
+    const __m256i mask = _mm256_set1_epi32(0xF);
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t b = 0; b < K / kBlock; ++b) {
+        const uint8_t* p = wq + n * (K / 2) + b * (kBlock / 2);
+        const int64_t gi = n * ngroups + b * kBlock / G;
+        const __m256 vd = _mm256_set1_ps(dp[gi]), vm = _mm256_set1_ps(mp[gi]);
+        const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+        const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+        float* o = out + n * K + b * kBlock;
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, mask)), vd, vm));
+        _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, mask)), vd, vm));
+        _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), vd, vm));
+        _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), vd, vm));
+      }
+#else
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t k = 0; k < K; ++k) {
         const int64_t b = k / kBlock, j = k % kBlock;
@@ -205,6 +221,7 @@ at::Tensor int4_dequant(const at::Tensor& packed, const at::Tensor& d, const at:
         const float q = static_cast<float>(j < kBlock / 2 ? (byte & 0xF) : (byte >> 4));
         out[n * K + k] = std::fma(q, dp[n * ngroups + k / G], mp[n * ngroups + k / G]);
       }
+#endif
   });
   return w;
 }
@@ -216,7 +233,17 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "firstlight::int4_mm x must be [M, ", K, "], got ", x.sizes());
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t M = xf.size(0);
-  if (M > max_tiled_m) return at::mm(xf, int4_dequant(packed, d, m, G).t());
+  if (M > max_tiled_m) {  // prefill: dequantize (the same fma) a slab of rows at a time, then at::mm
+    const int64_t slab = std::max<int64_t>(64, (int64_t{1} << 20) / K);  // ~4 MiB of fp32 weight
+    if (N <= slab) return at::mm(xf, int4_dequant(packed, d, m, G).t());
+    at::Tensor y = at::empty({M, N}, xf.options());
+    for (int64_t n0 = 0; n0 < N; n0 += slab) {
+      const int64_t len = std::min(slab, N - n0);
+      const at::Tensor w = int4_dequant(packed.narrow(0, n0, len), d.narrow(0, n0, len), m.narrow(0, n0, len), G);
+      y.narrow(1, n0, len).copy_(at::mm(xf, w.t()));
+    }
+    return y;
+  }
   at::Tensor y = at::empty({M, N}, xf.options());
   if (M == 0) return y;
   const float* xp = xf.data_ptr<float>();

@@ -200,6 +200,11 @@ class Int4WeightOnly(QuantFormat):
             return f"aten._weight_int4pack_mm (tinygemm, group {self.group_size}, bfloat16)"
         raise unsupported(self.name, device, dtype, "the int4 packed kernels exist for CPU and CUDA only")
 
+    def buffer_layout(self, device: torch.device) -> str:
+        """'' for aten's packing (the layout GPTQ caches were keyed without), else our kernel's: a cache of
+        quantized buffers saved under one layout is not loaded under the other."""
+        return "firstlight-int4-v1" if device.type == "cpu" and int4_kernel.load_kernel() is not None else ""
+
     def check_linear(self, linear: nn.Linear) -> None:
         n, k = linear.out_features, linear.in_features
         if k % self.group_size:

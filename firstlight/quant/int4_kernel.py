@@ -23,6 +23,7 @@ import torch
 from firstlight.quant.registry import QuantizationError
 
 ENV = "FIRSTLIGHT_INT4_KERNEL"
+ISA_ENV = "FIRSTLIGHT_INT4_ISA"  # `scalar` builds the portable path on an AVX2 machine (its tests)
 MODES = ("auto", "aten", "firstlight")
 SOURCE = Path(__file__).parent / "kernels" / "int4_gemv.cpp"
 BLOCK = 32  # input channels per 16-byte block of nibbles
@@ -50,7 +51,9 @@ def _build() -> str:
 
     from firstlight.models.hub import firstlight_home
 
-    isa = "avx2" if cpu_has_avx2() else "scalar"
+    isa = os.environ.get(ISA_ENV) or ("avx2" if cpu_has_avx2() else "scalar")
+    if isa not in ("avx2", "scalar"):
+        raise QuantizationError(f"{ISA_ENV}={isa!r} is not one of avx2, scalar")
     flags = ["-O3", "-mavx2", "-mfma"] if isa == "avx2" else ["-O3"]
     tag = hashlib.sha256((SOURCE.read_text() + " ".join(flags)).encode()).hexdigest()[:10]
     torch_tag = re.sub(r"[^0-9A-Za-z]+", "_", torch.__version__)

@@ -4,7 +4,10 @@ aten fallback when it is forced or cannot be built."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -148,5 +151,42 @@ def test_custom_op_is_one_node_under_compile_fullgraph(kernel_isa, mode):
     assert torch.allclose(compiled(x), ql(x))
     assert sum("firstlight.int4_mm" in s for s in seen) == 1, seen
     torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_custom_op_under_inductor(kernel_isa, mode):
+    mode("auto")
+    torch.manual_seed(4)
+    ql = get_format("int4", group_size=32).quantize_linear(nn.Linear(64, 48))
+    torch._dynamo.reset()
+    x = torch.randn(2, 64)
     out = torch.compile(ql, fullgraph=True)(x)  # inductor: the fake kernel gives it the output's shape
     assert torch.allclose(out, ql(x), atol=1e-6)
+    torch._dynamo.reset()
+
+
+SCALAR_CHECK = """
+import torch
+from firstlight.quant import int4_kernel as k
+from firstlight.quant.int4 import dequantize_groupwise_int4, quantize_groupwise_int4
+assert k.load_kernel() == "scalar"
+torch.manual_seed(0)
+for m, n, kk, g in [(1, 24, 128, 32), (5, 16, 256, 64), (20, 8, 64, 32)]:
+    q, s, z = quantize_groupwise_int4(torch.randn(n, kk), g)
+    p, d, mins = k.pack_int4(q, s, z, g)
+    x = torch.randn(m, kk)
+    ref = x.double() @ dequantize_groupwise_int4(q, s, z, g).double().t()
+    err = (k.int4_mm(x, p, d, mins, g).double() - ref).abs().max().item()
+    assert err < 1e-5 * ref.abs().max().item() + 1e-6, (m, n, kk, g, err)
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_scalar_fallback_path_builds_and_matches(kernel_isa, tmp_path):
+    """The portable (non-AVX2) path, built cold into a scratch FIRSTLIGHT_HOME in a fresh process
+    (one process can load only one library that defines the firstlight ops)."""
+    env = {**os.environ, "FIRSTLIGHT_HOME": str(tmp_path), int4_kernel.ISA_ENV: "scalar",
+           int4_kernel.ENV: "firstlight", "PYTHONPATH": os.getcwd()}
+    res = subprocess.run([sys.executable, "-c", SCALAR_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]

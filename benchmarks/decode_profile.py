@@ -23,7 +23,7 @@ from collections import defaultdict
 import torch
 
 CLASSES = (  # first match wins; names are aten / quantized op names as the profiler reports them
-    ("matmul: int4 packed", ("_weight_int4pack_mm",)),
+    ("matmul: int4 packed", ("_weight_int4pack_mm", "firstlight::int4_mm")),
     ("matmul: int8 packed", ("_weight_int8pack_mm",)),
     ("matmul: fbgemm int8", ("quantized::linear",)),
     ("matmul: fp32/bf16", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")),

@@ -8,9 +8,14 @@ For output row n and group g (input channels g*G .. g*G+G-1), with lo/hi the gro
     Q[n, k]     = clamp(round((W[n, k] - lo) / scale), 0, 15)
     W~[n, k]    = (Q[n, k] - 8) * scale[g, n] + zero[g, n]
 
-Kernels: CPU `aten._convert_weight_to_int4pack_for_cpu(Q int32 [N, K], 1)` packs two codes per byte,
-`aten._weight_int4pack_mm_for_cpu(x, packed, G, scales_and_zeros [K/G, N, 2])` multiplies. As for
-int8, its vectorized CPU path is the bf16 one, so activations enter in bfloat16 on CPU by default.
+Kernels: CPU, by default firstlight's own `firstlight::int4_mm` (quant/kernels/int4_gemv.cpp, built at
+first use, see quant/int4_kernel.py): the same codes, scales and zeros, packed as 16-byte blocks of 32
+channels with fp32 d = scale, m = zero - 8 * scale per group; activations stay fp32. If it cannot be
+built (or FIRSTLIGHT_INT4_KERNEL=aten): `aten._convert_weight_to_int4pack_for_cpu(Q int32 [N, K], 1)`
+packs two codes per byte, `aten._weight_int4pack_mm_for_cpu(x, packed, G, scales_and_zeros [K/G, N, 2])`
+multiplies; as for int8, its vectorized CPU path is the bf16 one, so activations enter in bfloat16.
+The scales and zeros are rounded to the compute dtype (bf16 on CPU by default) either way, so both
+kernels use one quantization grid.
 CUDA: `aten._convert_weight_to_int4pack(uint8 [N, K/2], inner_k_tiles)` + `aten._weight_int4pack_mm`
 (tinygemm, bfloat16 only, sm80+). Not exercised in this repository's CPU test runs.
 """
@@ -22,11 +27,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from firstlight.quant import int4_kernel
 from firstlight.quant.base import QuantizedModule, flatten_tokens, resolve_compute_dtype
 from firstlight.quant.registry import QuantFormat, QuantizationError, register_format, unsupported
 
 GROUP_SIZES = (32, 64, 128, 256)  # what both aten kernels accept
-N_MULTIPLE = 16  # the CPU packing needs N % 16 == 0
+N_MULTIPLE = 16  # aten's CPU packing needs N % 16 == 0 (firstlight's kernel does not)
 
 
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
@@ -122,25 +128,39 @@ class Int4WeightOnlyLinear(QuantizedModule):
         self.group_size, self.compute_dtype, self.kernel = group_size, compute_dtype, kernel
         q, scale, zero = quantize_groupwise_int4(linear.weight, group_size, clip_search, compute_dtype, params)
         self.on_cuda = linear.weight.device.type == "cuda"
-        if self.on_cuda:
-            packed_bytes = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # [N, K/2]
-            packed = torch.ops.aten._convert_weight_to_int4pack(packed_bytes, _inner_k_tiles(self.in_features))
+        # firstlight's kernel on CPU when it is built (kernel_path decided which; the same test here)
+        self.ours = not self.on_cuda and int4_kernel.load_kernel() is not None
+        if self.ours:
+            packed, d, m = int4_kernel.pack_int4(q, scale, zero, group_size)
+            self.register_buffer("packed", packed)  # uint8 [N, K/2]
+            self.register_buffer("scales", d)  # fp32 [N, K/G]
+            self.register_buffer("mins", m)  # fp32 [N, K/G]
         else:
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales_and_zeros", torch.stack([scale, zero], dim=-1).to(compute_dtype))  # [K/G, N, 2]
+            if self.on_cuda:
+                packed_bytes = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # [N, K/2]
+                packed = torch.ops.aten._convert_weight_to_int4pack(packed_bytes, _inner_k_tiles(self.in_features))
+            else:
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            self.register_buffer("packed", packed)
+            self.register_buffer("scales_and_zeros", torch.stack([scale, zero], dim=-1).to(compute_dtype))  # [K/G, N, 2]
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = flatten_tokens(x, self.compute_dtype)  # [M, K]
-        if self.on_cuda:
-            y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
+        if self.ours:
+            x2 = flatten_tokens(x, torch.float32)  # [M, K]
+            y = int4_kernel.int4_mm(x2, self.packed, self.scales, self.mins, self.group_size)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
+            x2 = flatten_tokens(x, self.compute_dtype)  # [M, K]
+            if self.on_cuda:
+                y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
+            else:
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # [..., N]
         return y if self.bias is None else y + self.bias
 
     def dequantized_weight(self) -> torch.Tensor:
+        if self.ours:  # the kernel's own fma(q, d, m) per weight
+            return int4_kernel.int4_dequant(self.packed, self.scales, self.mins, self.group_size)
         # Run the kernel on the identity: row k of the result is W~[:, k], exactly as the kernel sees it.
         eye = torch.eye(self.in_features, dtype=self.compute_dtype, device=self.packed.device)
         if self.on_cuda:
@@ -156,7 +176,7 @@ class Int4WeightOnlyLinear(QuantizedModule):
 @register_format
 class Int4WeightOnly(QuantFormat):
     name = "int4"
-    summary = "int4 weights, asymmetric per group of input channels; activations unquantized (aten int4pack mm)"
+    summary = "int4 weights, asymmetric per group of input channels; activations unquantized (firstlight or aten int4 mm)"
 
     def __init__(self, group_size: int = 32, compute_dtype: str = "auto", clip_search: bool = False, **opts: Any) -> None:
         super().__init__(**opts)
@@ -168,6 +188,9 @@ class Int4WeightOnly(QuantFormat):
     def kernel_path(self, device: torch.device, dtype: torch.dtype) -> str:
         cdt = resolve_compute_dtype(self.compute_dtype, device, dtype, torch.bfloat16)
         if device.type == "cpu":
+            isa = int4_kernel.load_kernel()
+            if isa is not None:
+                return f"firstlight::int4_mm ({isa}, group {self.group_size}, float32 activations)"
             return f"aten._weight_int4pack_mm_for_cpu (group {self.group_size}, {str(cdt).removeprefix('torch.')} activations)"
         if device.type == "cuda":
             if cdt != torch.bfloat16:
@@ -177,13 +200,19 @@ class Int4WeightOnly(QuantFormat):
             return f"aten._weight_int4pack_mm (tinygemm, group {self.group_size}, bfloat16)"
         raise unsupported(self.name, device, dtype, "the int4 packed kernels exist for CPU and CUDA only")
 
+    def buffer_layout(self, device: torch.device) -> str:
+        """'' for aten's packing (the layout GPTQ caches were keyed without), else our kernel's: a cache of
+        quantized buffers saved under one layout is not loaded under the other."""
+        return "firstlight-int4-v1" if device.type == "cpu" and int4_kernel.load_kernel() is not None else ""
+
     def check_linear(self, linear: nn.Linear) -> None:
         n, k = linear.out_features, linear.in_features
         if k % self.group_size:
             fits = [g for g in GROUP_SIZES if k % g == 0]
             hint = f"use group_size one of {fits}" if fits else "skip this layer"
             raise QuantizationError(f"int4: in_features {k} is not a multiple of group_size {self.group_size}; {hint}")
-        if n % N_MULTIPLE:
+        ours = linear.weight.device.type == "cpu" and int4_kernel.load_kernel() is not None
+        if n % N_MULTIPLE and not ours:
             raise QuantizationError(f"int4: out_features {n} is not a multiple of {N_MULTIPLE} (packed kernel layout); skip this layer")
 
     def grid(self, device: torch.device, dtype: torch.dtype) -> Int4GroupGrid:

@@ -1,0 +1,86 @@
+"""firstlight's int4 CPU kernel (firstlight::int4_mm) vs torch's aten._weight_int4pack_mm_for_cpu vs fp32
+torch.mm, at SmolLM2-135M's linear shapes, same run, same threads.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/int4_kernel.py --threads 1
+    PYTHONPATH=. .venv/bin/python benchmarks/int4_kernel.py --threads 2 --ms 1,4,8,32,128
+
+Each cell: the median of --repeats timed calls (each timed sample loops enough calls to last ~2 ms).
+aten gets bfloat16 activations (how Int4WeightOnlyLinear used it on CPU); ours and torch.mm take fp32.
+GB/s = int4 weight bytes (N*K/2 codes + the scales/zeros each kernel reads) / time; the bound is the
+machine's copy bandwidth (a 256 MiB tensor copy, read + write), measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from _common import copy_bandwidth_gbs, median_time
+
+SHAPES = ((576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152))  # (K, N)
+
+
+def _timed(fn, repeats: int) -> float:  # noqa: ANN001
+    fn()
+    once = median_time(fn, 3)
+    calls = max(1, int(2e-3 / max(once, 1e-7)))
+
+    def loop() -> None:
+        for _ in range(calls):
+            fn()
+    return median_time(loop, repeats) / calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--ms", default="1,4,8,32,128", help="activation rows M")
+    ap.add_argument("--group-size", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("FIRSTLIGHT_INT4_KERNEL", "firstlight")
+
+    from firstlight.quant import int4_kernel as ik
+    from firstlight.quant.int4 import quantize_groupwise_int4
+
+    isa = ik.load_kernel()
+    g = args.group_size
+    bw = copy_bandwidth_gbs()
+    rows = []
+    print(f"threads {args.threads}, kernel {isa}, group {g}, copy bandwidth {bw:.1f} GB/s, "
+          f"load {os.getloadavg()[0]:.2f}")
+    print(f"{'K->N':>12} {'M':>4} {'ours us':>9} {'aten us':>9} {'fp32 mm us':>10} {'aten/ours':>9} "
+          f"{'mm/ours':>8} {'ours GB/s':>9} {'aten GB/s':>9}")
+    with torch.inference_mode():
+        for k, n in SHAPES:
+            torch.manual_seed(0)
+            w = torch.randn(n, k) / k**0.5
+            q, scale, zero = quantize_groupwise_int4(w, g, param_dtype=torch.bfloat16)
+            packed, d, mins = ik.pack_int4(q, scale, zero, g)
+            apacked = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            sz = torch.stack([scale, zero], dim=-1).bfloat16()
+            wf = w.t().contiguous()  # [K, N] for x @ wf
+            ours_bytes = packed.numel() + 8 * d.numel()
+            aten_bytes = apacked.numel() * apacked.element_size() + 2 * sz.numel()
+            for mm in (int(s) for s in args.ms.split(",")):
+                x = torch.randn(mm, k)
+                xb = x.bfloat16()
+                t_ours = _timed(lambda x=x, p=packed, d=d, mi=mins: ik.int4_mm(x, p, d, mi, g), args.repeats)
+                t_aten = _timed(lambda xb=xb, p=apacked, sz=sz: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p, g, sz),
+                                args.repeats)
+                t_mm = _timed(lambda x=x, wf=wf: torch.mm(x, wf), args.repeats)
+                row = dict(k=k, n=n, m=mm, ours_us=t_ours * 1e6, aten_us=t_aten * 1e6, mm_us=t_mm * 1e6,
+                           ours_gbs=ours_bytes / t_ours / 1e9, aten_gbs=aten_bytes / t_aten / 1e9)
+                rows.append(row)
+                print(f"{f'{k}->{n}':>12} {mm:>4} {row['ours_us']:>9.1f} {row['aten_us']:>9.1f} {row['mm_us']:>10.1f} "
+                      f"{t_aten / t_ours:>9.2f} {t_mm / t_ours:>8.2f} {row['ours_gbs']:>9.1f} {row['aten_gbs']:>9.1f}")
+    if args.json:
+        print(json.dumps(dict(threads=args.threads, isa=isa, copy_gbs=bw, load=os.getloadavg()[0], rows=rows)))
+
+
+if __name__ == "__main__":
+    main()

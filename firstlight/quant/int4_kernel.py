@@ -1,0 +1,138 @@
+"""firstlight's own int4 CPU matmul (kernels/int4_gemv.cpp), built once per machine at first use.
+
+`torch.utils.cpp_extension.load` compiles the shipped .cpp into `$FIRSTLIGHT_HOME/kernels/<name>`
+(-O3, plus -mavx2 -mfma when torch reports an AVX2 CPU) and loads it as the torch ops
+`firstlight::int4_mm` / `firstlight::int4_dequant` (registered in C++ with TORCH_LIBRARY, so an eager call
+costs one dispatcher hop, not a Python one; `register_fake` here gives torch.compile their shapes, so a
+compiled decode keeps each call as one opaque node).
+
+FIRSTLIGHT_INT4_KERNEL: `auto` (default) uses ours if it builds, else torch's aten kernel with one warning;
+`aten` forces torch's; `firstlight` requires ours (a QuantizationError naming what failed otherwise).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import warnings
+from pathlib import Path
+
+import torch
+
+from firstlight.quant.registry import QuantizationError
+
+ENV = "FIRSTLIGHT_INT4_KERNEL"
+ISA_ENV = "FIRSTLIGHT_INT4_ISA"  # `scalar` builds the portable path on an AVX2 machine (its tests)
+MODES = ("auto", "aten", "firstlight")
+SOURCE = Path(__file__).parent / "kernels" / "int4_gemv.cpp"
+BLOCK = 32  # input channels per 16-byte block of nibbles
+# Above this many activation rows, int4_mm dequantizes once and calls at::mm (benchmarks/int4_kernel.py).
+MAX_TILED_M = 16
+
+_state: dict[str, object] = {}
+_fakes: list[bool] = []  # register_fake once per process, however often the load is re-decided
+
+
+def kernel_mode() -> str:
+    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise QuantizationError(f"{ENV}={mode!r} is not one of {', '.join(MODES)}")
+    return mode
+
+
+def cpu_has_avx2() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def _build() -> str:
+    """Compile (or reuse) and load the extension; returns the ISA it was built for."""
+    from torch.utils import cpp_extension
+
+    from firstlight.models.hub import firstlight_home
+
+    isa = os.environ.get(ISA_ENV) or ("avx2" if cpu_has_avx2() else "scalar")
+    if isa not in ("avx2", "scalar"):
+        raise QuantizationError(f"{ISA_ENV}={isa!r} is not one of avx2, scalar")
+    flags = ["-O3", "-mavx2", "-mfma"] if isa == "avx2" else ["-O3"]
+    tag = hashlib.sha256((SOURCE.read_text() + " ".join(flags)).encode()).hexdigest()[:10]
+    torch_tag = re.sub(r"[^0-9A-Za-z]+", "_", torch.__version__)
+    name = f"firstlight_int4_{isa}_{tag}"
+    build_dir = firstlight_home() / "kernels" / f"{name}_torch{torch_tag}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=name, sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(build_dir),
+        is_python_module=False, verbose=False,
+    )
+    if not _fakes:
+        _register_fakes()
+        _fakes.append(True)
+    return isa
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("firstlight::int4_mm")
+    def _(x, packed, scales, mins, group_size, max_tiled_m):  # noqa: ANN001, ANN202
+        return x.new_empty((x.shape[0], packed.shape[0]), dtype=torch.float32)
+
+    @torch.library.register_fake("firstlight::int4_dequant")
+    def _(packed, scales, mins, group_size):  # noqa: ANN001, ANN202
+        return scales.new_empty((packed.shape[0], packed.shape[1] * 2), dtype=torch.float32)
+
+
+def load_kernel() -> str | None:
+    """The ISA of our loaded kernel ('avx2' or 'scalar'), or None when torch's aten kernel is to be used.
+
+    Built at most once per process (and compiled at most once per machine); a failure warns once
+    (mode auto) or raises (mode firstlight).
+    """
+    mode = kernel_mode()
+    if mode == "aten":
+        return None
+    if "isa" not in _state:
+        try:
+            _state["isa"] = _build()
+        except Exception as e:  # noqa: BLE001 - any build failure means: use aten (or say why not)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            _state["isa"] = None
+            _state["error"] = f"{type(e).__name__}: {first}"
+            if mode == "auto":
+                warnings.warn(
+                    f"firstlight int4 kernel did not build ({_state['error']}); using torch's "
+                    f"aten._weight_int4pack_mm_for_cpu (set {ENV}=aten to silence)", RuntimeWarning, stacklevel=2,
+                )
+    if _state["isa"] is None and mode == "firstlight":
+        raise QuantizationError(
+            f"{ENV}=firstlight but the int4 kernel {SOURCE.name} could not be built: {_state.get('error')}; "
+            "install a C++ compiler and ninja, or unset it"
+        )
+    return _state["isa"]  # type: ignore[return-value]
+
+
+def reset_for_tests() -> None:
+    """Forget the load outcome (the built library stays loaded): tests switch modes."""
+    _state.clear()
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> tuple[torch.Tensor, ...]:
+    """quantize_groupwise_int4's (Q [N, K] 0..15, scale [K/G, N], zero [K/G, N]) -> our layout:
+    packed uint8 [N, K/2] (byte j of each 32-channel block = q[j] | q[16 + j] << 4), d [N, K/G] = scale,
+    m [N, K/G] = zero - 8 * scale, all fp32, so that w = fma(q, d, m)."""
+    n, k = q.shape
+    if k % BLOCK or group_size % BLOCK or k % group_size:
+        raise QuantizationError(f"int4 kernel needs K and group_size multiples of {BLOCK}, got K={k}, G={group_size}")
+    blocks = q.to(torch.uint8).reshape(n, k // BLOCK, 2, BLOCK // 2)
+    packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    d = scale.t().float().contiguous()
+    m = (zero.t().float() - 8 * d).contiguous()
+    return packed, d, m
+
+
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x [M, K] (any float dtype) -> fp32 [M, N]."""
+    return torch.ops.firstlight.int4_mm(x, packed, d, m, group_size, MAX_TILED_M)
+
+
+def int4_dequant(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The fp32 weight [N, K] the kernel multiplies by (the same fma per weight)."""
+    return torch.ops.firstlight.int4_dequant(packed, d, m, group_size)

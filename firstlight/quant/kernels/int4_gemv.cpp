@@ -1,0 +1,296 @@
+// firstlight int4 weight-only matmul for CPU: y[M, N] = x[M, K] @ W~[N, K]^T in fp32.
+//
+// Layout (built by firstlight/quant/int4_kernel.py from quantize_groupwise_int4's codes):
+//   packed uint8 [N, K/2]: per output row, blocks of 32 input channels, 16 bytes each; byte j of the
+//                          block holds code q[32b + j] in its low nibble and q[32b + 16 + j] in its high one.
+//   d, m   fp32  [N, K/G]: per group of G (a multiple of 32) input channels, w = fma(q, d, m), q in 0..15
+//                          (d = scale, m = zero - 8 * scale of the tinygemm form).
+// AVX2 + FMA path under __AVX2__, a scalar path otherwise; both compute each weight as fmaf(q, d, m).
+// Each unpacked weight block is reused across a tile of up to 8 activation rows. Threads: at::parallel_for
+// over output rows. Large M: dequantize once (same fma) and at::mm.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kRowChunk = 16;  // output rows per cache chunk: every M tile reuses them from L1/L2
+
+#ifdef __AVX2__
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Rows n0..n1 of y for MT activation rows starting at x.
+template <int MT>
+void rows_avx2(const float* x, int64_t ldx, const uint8_t* wq, const float* d, const float* m, int64_t K,
+               int64_t G, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  constexpr int A = MT == 1 ? 4 : (MT == 2 ? 4 : (MT <= 4 ? 2 : 1));  // independent FMA chains per row
+  const int64_t ngroups = K / G, bpg = G / kBlock;
+  const __m256i mask = _mm256_set1_epi32(0xF);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = wq + n * (K / 2);
+    const float* dr = d + n * ngroups;
+    const float* mr = m + n * ngroups;
+    __m256 acc[MT][A];
+    for (int r = 0; r < MT; ++r)
+      for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ngroups; ++g) {
+      const __m256 vd = _mm256_set1_ps(dr[g]), vm = _mm256_set1_ps(mr[g]);
+      for (int64_t bb = 0; bb < bpg; ++bb) {
+        const int64_t b = g * bpg + bb;
+        const uint8_t* p = wr + b * (kBlock / 2);
+        const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+        const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+        const __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, mask)), vd, vm);
+        const __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, mask)), vd, vm);
+        const __m256 w2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), vd, vm);
+        const __m256 w3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), vd, vm);
+        const int64_t k0 = b * kBlock;
+        for (int r = 0; r < MT; ++r) {
+          const float* xr = x + r * ldx + k0;
+          acc[r][0 % A] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc[r][0 % A]);
+          acc[r][1 % A] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc[r][1 % A]);
+          acc[r][2 % A] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), acc[r][2 % A]);
+          acc[r][3 % A] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), acc[r][3 % A]);
+        }
+      }
+    }
+    for (int r = 0; r < MT; ++r) {
+      __m256 s = acc[r][0];
+      for (int a = 1; a < A; ++a) s = _mm256_add_ps(s, acc[r][a]);
+      y[r * ldy + n] = hsum(s);
+    }
+  }
+}
+
+// Four output rows at a time: the x loads are shared, and one transpose-add reduces the four rows.
+template <int R>
+void rows_avx2_m1(const float* xt, const float* xs, const uint8_t* wq, const float* d, const float* m, int64_t K,
+                  int64_t G, float* y, int64_t n) {
+  const int64_t ngroups = K / G, nblocks = K / kBlock;
+  int shift = 0;  // block -> group: b >> shift (G / 32 is a power of two)
+  while ((kBlock << shift) < G) ++shift;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const float* xb = xt + b * kBlock;
+    const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
+    const __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* p = wq + (n + r) * (K / 2) + b * (kBlock / 2);
+      const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+      const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+      __m256 t0 = _mm256_mul_ps(_mm256_cvtepi32_ps(b0), x0);
+      __m256 t1 = _mm256_mul_ps(_mm256_cvtepi32_ps(b1), x1);
+      t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), x2, t0);
+      t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), x3, t1);
+      acc[r] = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), _mm256_broadcast_ss(d + (n + r) * ngroups + (b >> shift)), acc[r]);
+    }
+  }
+  float tail[R] = {};
+  for (int r = 0; r < R; ++r) {
+    const float* mr = m + (n + r) * ngroups;
+    int64_t g = 0;
+    for (; g + 8 <= ngroups; g += 8) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mr + g), _mm256_loadu_ps(xs + g), acc[r]);
+    for (; g < ngroups; ++g) tail[r] += mr[g] * xs[g];
+  }
+  if constexpr (R == 4) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    _mm_storeu_ps(y + n, _mm_add_ps(s, _mm_loadu_ps(tail)));
+  } else {
+    for (int r = 0; r < R; ++r) y[n + r] = hsum(acc[r]) + tail[r];
+  }
+}
+
+// M = 1 (single-stream decode): fewer instructions per weight. With byte = lo + 16 * hi of each block,
+//   sum q x = sum byte * x_lo + sum hi * (x_hi - 16 x_lo)        (xt holds x_lo and x_hi - 16 x_lo)
+//   sum w x = sum_blocks d * sum q x + sum_groups m * (sum of x over the group)   (xs: those sums)
+// so a block is 2 zero-extending loads, 2 shifts, 4 converts, 5 multiply-adds and one by d; no mask, no
+// per-weight fma(q, d, m). The cancellation in x_hi - 16 x_lo costs at most 4 bits of fp32 mantissa.
+void row_avx2_m1(const float* xt, const float* xs, const uint8_t* wq, const float* d, const float* m, int64_t K,
+                 int64_t G, float* y, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) rows_avx2_m1<4>(xt, xs, wq, d, m, K, G, y, n);
+  for (; n < n1; ++n) rows_avx2_m1<1>(xt, xs, wq, d, m, K, G, y, n);
+}
+#endif
+
+template <int MT>
+void rows_scalar(const float* x, int64_t ldx, const uint8_t* wq, const float* d, const float* m, int64_t K,
+                 int64_t G, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t ngroups = K / G;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = wq + n * (K / 2);
+    float acc[MT] = {};
+    for (int64_t b = 0; b < K / kBlock; ++b) {
+      const float dg = d[n * ngroups + b * kBlock / G], mg = m[n * ngroups + b * kBlock / G];
+      for (int64_t j = 0; j < kBlock / 2; ++j) {
+        const uint8_t byte = wr[b * (kBlock / 2) + j];
+        const float lo = std::fma(static_cast<float>(byte & 0xF), dg, mg);
+        const float hi = std::fma(static_cast<float>(byte >> 4), dg, mg);
+        const int64_t k = b * kBlock + j;
+        for (int r = 0; r < MT; ++r) acc[r] += lo * x[r * ldx + k] + hi * x[r * ldx + k + kBlock / 2];
+      }
+    }
+    for (int r = 0; r < MT; ++r) y[r * ldy + n] = acc[r];
+  }
+}
+
+using RowsFn = void (*)(const float*, int64_t, const uint8_t*, const float*, const float*, int64_t, int64_t,
+                        float*, int64_t, int64_t, int64_t);
+
+template <int MT>
+RowsFn rows_fn() {
+#ifdef __AVX2__
+  return rows_avx2<MT>;
+#else
+  return rows_scalar<MT>;
+#endif
+}
+
+RowsFn tile_fn(int64_t mt) {
+  switch (mt) {
+    case 1: return rows_fn<1>();
+    case 2: return rows_fn<2>();
+    case 3: return rows_fn<3>();
+    case 4: return rows_fn<4>();
+    case 5: return rows_fn<5>();
+    case 6: return rows_fn<6>();
+    case 7: return rows_fn<7>();
+    default: return rows_fn<8>();
+  }
+}
+
+void check_args(const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m, int64_t G) {
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "firstlight::int4 packed must be contiguous uint8 [N, K/2]");
+  const int64_t N = packed.size(0), K = packed.size(1) * 2;
+  TORCH_CHECK(G >= kBlock && (G & (G - 1)) == 0 && K % G == 0,
+              "firstlight::int4 group_size must be a power of two >= 32 dividing K, got ", G);
+  for (const auto* t : {&d, &m})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
+                    t->size(1) == K / G,
+                "firstlight::int4 scales/mins must be contiguous fp32 [N, K/G]");
+}
+
+}  // namespace
+
+at::Tensor int4_dequant(const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m, int64_t G) {
+  check_args(packed, d, m, G);
+  const int64_t N = packed.size(0), K = packed.size(1) * 2, ngroups = K / G;
+  at::Tensor w = at::empty({N, K}, d.options());
+  const uint8_t* wq = packed.data_ptr<uint8_t>();
+  const float *dp = d.data_ptr<float>(), *mp = m.data_ptr<float>();
+  float* out = w.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+#ifdef __AVX2__
+    const __m256i mask = _mm256_set1_epi32(0xF);
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t b = 0; b < K / kBlock; ++b) {
+        const uint8_t* p = wq + n * (K / 2) + b * (kBlock / 2);
+        const int64_t gi = n * ngroups + b * kBlock / G;
+        const __m256 vd = _mm256_set1_ps(dp[gi]), vm = _mm256_set1_ps(mp[gi]);
+        const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+        const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+        float* o = out + n * K + b * kBlock;
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, mask)), vd, vm));
+        _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, mask)), vd, vm));
+        _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), vd, vm));
+        _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), vd, vm));
+      }
+#else
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t b = k / kBlock, j = k % kBlock;
+        const uint8_t byte = wq[n * (K / 2) + b * (kBlock / 2) + (j % (kBlock / 2))];
+        const float q = static_cast<float>(j < kBlock / 2 ? (byte & 0xF) : (byte >> 4));
+        out[n * K + k] = std::fma(q, dp[n * ngroups + k / G], mp[n * ngroups + k / G]);
+      }
+#endif
+  });
+  return w;
+}
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
+                   int64_t G, int64_t max_tiled_m) {
+  check_args(packed, d, m, G);
+  const int64_t N = packed.size(0), K = packed.size(1) * 2;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "firstlight::int4_mm x must be [M, ", K, "], got ", x.sizes());
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0);
+  if (M > max_tiled_m) {  // prefill: dequantize (the same fma) a slab of rows at a time, then at::mm
+    const int64_t slab = std::max<int64_t>(64, (int64_t{1} << 20) / K);  // ~4 MiB of fp32 weight
+    if (N <= slab) return at::mm(xf, int4_dequant(packed, d, m, G).t());
+    at::Tensor y = at::empty({M, N}, xf.options());
+    for (int64_t n0 = 0; n0 < N; n0 += slab) {
+      const int64_t len = std::min(slab, N - n0);
+      const at::Tensor w = int4_dequant(packed.narrow(0, n0, len), d.narrow(0, n0, len), m.narrow(0, n0, len), G);
+      y.narrow(1, n0, len).copy_(at::mm(xf, w.t()));
+    }
+    return y;
+  }
+  at::Tensor y = at::empty({M, N}, xf.options());
+  if (M == 0) return y;
+  const float* xp = xf.data_ptr<float>();
+  const uint8_t* wq = packed.data_ptr<uint8_t>();
+  const float *dp = d.data_ptr<float>(), *mp = m.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+#ifdef __AVX2__
+  if (M == 1) {
+    const int64_t ngroups = K / G;
+    at::Tensor xt = at::empty({K + ngroups}, xf.options());  // transformed x, then its per-group sums
+    float* xtp = xt.data_ptr<float>();
+    float* xsp = xtp + K;
+    for (int64_t g = 0; g < ngroups; ++g) {
+      float sum = 0.f;
+      for (int64_t k = g * G; k < (g + 1) * G; ++k) sum += xp[k];
+      xsp[g] = sum;
+    }
+    for (int64_t b = 0; b < K / kBlock; ++b)
+      for (int64_t j = 0; j < kBlock / 2; ++j) {
+        const float lo = xp[b * kBlock + j], hi = xp[b * kBlock + kBlock / 2 + j];
+        xtp[b * kBlock + j] = lo;
+        xtp[b * kBlock + kBlock / 2 + j] = hi - 16.f * lo;
+      }
+    at::parallel_for(0, N, kRowChunk, [&](int64_t n0, int64_t n1) {
+      row_avx2_m1(xtp, xsp, wq, dp, mp, K, G, yp, n0, n1);
+    });
+    return y;
+  }
+#endif
+  at::parallel_for(0, N, kRowChunk, [&](int64_t n0, int64_t n1) {
+    for (int64_t c0 = n0; c0 < n1; c0 += kRowChunk) {
+      const int64_t c1 = std::min(c0 + kRowChunk, n1);
+      for (int64_t r0 = 0; r0 < M; r0 += 8) {
+        const int64_t mt = std::min<int64_t>(8, M - r0);
+        tile_fn(mt)(xp + r0 * K, K, wq, dp, mp, K, G, yp + r0 * N, N, c0, c1);
+      }
+    }
+  });
+  return y;
+}
+
+TORCH_LIBRARY(firstlight, lib) {
+  lib.def("int4_mm(Tensor x, Tensor packed, Tensor scales, Tensor mins, int group_size, int max_tiled_m) -> Tensor");
+  lib.def("int4_dequant(Tensor packed, Tensor scales, Tensor mins, int group_size) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(firstlight, CPU, lib) {
+  lib.impl("int4_mm", &int4_mm);
+  lib.impl("int4_dequant", &int4_dequant);
+}

@@ -395,6 +395,12 @@ class BringupLoop:
             for v in variants:  # None: without it at all
                 if spent >= self.cfg.perf_budget:
                     return current
+                if v is None and self._kept_for(cand) == "op_not_lowered":
+                    # without it the chip cannot compile the model: removing it would only show that again
+                    self.state.skipped.append({"description": cand.description, "change": "remove",
+                                               "predicted_ms": None, "current_ms": current.cost_ms,
+                                               "why": "kept for an op the chip does not lower"})
+                    continue
                 trial_kept = kept[:i] + ([v] if v is not None else []) + kept[i + 1:]
                 if v is not None and not self._differs(current, self.overrides(trial_kept),
                                                        self.overrides(kept[:i] + kept[i + 1:])):
@@ -424,6 +430,12 @@ class BringupLoop:
                 if v is not None and not better:
                     break  # a less accurate variant than this one fails too
         return current
+
+    def _kept_for(self, cand: R.Candidate) -> str | None:
+        """The kind of the signature `cand` was kept for in this loop's correctness phase, if it was."""
+        return next((it["signature"]["kind"] for it in self.state.iterations if it.get("signature")
+                     and (it.get("remedy") or {}).get("description") == cand.description
+                     and it.get("outcome") in GOOD), None)
 
     def changes_numerics(self, cand: R.Candidate, current: Evaluation) -> bool:
         """Whether adding `cand` to the configuration `current` ran changes the numerics (or placement)

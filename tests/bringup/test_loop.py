@@ -89,6 +89,17 @@ def test_a_playbook_with_malformed_configurations_is_set_aside(tmp_path):
     assert book.configs == [] and list(tmp_path.glob("pb.json.corrupt-*"))
 
 
+def test_the_performance_phase_keeps_what_the_chip_cannot_compile_without(tiny_checkpoint, failing_chip, tmp_path):
+    state = _loop(tiny_checkpoint("llama", seed=3), failing_chip, tmp_path / "out", tmp_path / "pb.json",
+                  perf_budget=20).run()
+    assert state.final["met"] and state.kept[0]["description"] == "run rotary on the host"
+    perf = [it for it in state.iterations if it["phase"] == "performance"]
+    assert perf and all(it["remedy"]["description"] != "run rotary on the host" for it in perf)
+    assert {"description": "run rotary on the host", "change": "remove",
+            "why": "kept for an op the chip does not lower"}.items() <= next(
+        s for s in state.skipped if s["description"] == "run rotary on the host").items()
+
+
 def test_a_remedy_that_makes_things_worse_is_reverted(tiny_checkpoint, failing_chip, tmp_path, monkeypatch):
     monkeypatch.setattr(R, "REGISTRY", dict(R.load_builtin()))
     bad = tmp_path / "bad_remedy.py"

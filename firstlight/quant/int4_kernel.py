@@ -75,6 +75,10 @@ def _register_fakes() -> None:
     def _(x, packed, scales, mins, group_size, max_tiled_m):  # noqa: ANN001, ANN202
         return x.new_empty((x.shape[0], packed.shape[0]), dtype=torch.float32)
 
+    @torch.library.register_fake("firstlight::int4_mm_a8")
+    def _(x, packed, scales, mins, group_size, max_tiled_m):  # noqa: ANN001, ANN202
+        return x.new_empty((x.shape[0], packed.shape[0]), dtype=torch.float32)
+
     @torch.library.register_fake("firstlight::int4_dequant")
     def _(packed, scales, mins, group_size):  # noqa: ANN001, ANN202
         return scales.new_empty((packed.shape[0], packed.shape[1] * 2), dtype=torch.float32)
@@ -131,6 +135,21 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_si
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group_size: int) -> torch.Tensor:
     """x [M, K] (any float dtype) -> fp32 [M, N]."""
     return torch.ops.firstlight.int4_mm(x, packed, d, m, group_size, MAX_TILED_M)
+
+
+def int4_mm_a8(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x [M, K] -> fp32 [M, N] = W~ x^, x^ = x rounded to int8 per block of 32 (quantize_act_int8): integer dot
+    products per block, as llama.cpp's Q4_1 x Q8_1."""
+    return torch.ops.firstlight.int4_mm_a8(x, packed, d, m, group_size, MAX_TILED_M)
+
+
+def quantize_act_int8(x: torch.Tensor) -> torch.Tensor:
+    """Reference of the kernel's activation rounding: x [M, K] fp32 -> x^ = dx * round(x * 127 / amax) per
+    block of 32 channels, dx = amax / 127 (fp32 ops in the kernel's order)."""
+    xb = x.float().reshape(x.shape[0], -1, BLOCK)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(xb * inv) * (amax / 127.0)).reshape(x.shape)
 
 
 def int4_dequant(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group_size: int) -> torch.Tensor:

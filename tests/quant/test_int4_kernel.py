@@ -178,6 +178,9 @@ for m, n, kk, g in [(1, 24, 128, 32), (5, 16, 256, 64), (20, 8, 64, 32)]:
     ref = x.double() @ dequantize_groupwise_int4(q, s, z, g).double().t()
     err = (k.int4_mm(x, p, d, mins, g).double() - ref).abs().max().item()
     assert err < 1e-5 * ref.abs().max().item() + 1e-6, (m, n, kk, g, err)
+    ref8 = k.quantize_act_int8(x).double() @ dequantize_groupwise_int4(q, s, z, g).double().t()
+    err8 = (k.int4_mm_a8(x, p, d, mins, g).double() - ref8).abs().max().item()
+    assert err8 < 1e-5 * ref8.abs().max().item() + 1e-6, (m, n, kk, g, err8)
 print("ok")
 """
 

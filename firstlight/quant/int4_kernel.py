@@ -79,6 +79,10 @@ def _register_fakes() -> None:
     def _(x, packed, scales, mins, group_size, max_tiled_m):  # noqa: ANN001, ANN202
         return x.new_empty((x.shape[0], packed.shape[0]), dtype=torch.float32)
 
+    @torch.library.register_fake("firstlight::int8_mm")
+    def _(x, qweight, scales, act_int8, max_tiled_m):  # noqa: ANN001, ANN202
+        return x.new_empty((x.shape[0], qweight.shape[0]), dtype=torch.float32)
+
     @torch.library.register_fake("firstlight::int4_dequant")
     def _(packed, scales, mins, group_size):  # noqa: ANN001, ANN202
         return scales.new_empty((packed.shape[0], packed.shape[1] * 2), dtype=torch.float32)
@@ -141,6 +145,12 @@ def int4_mm_a8(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.
     """x [M, K] -> fp32 [M, N] = W~ x^, x^ = x rounded to int8 per block of 32 (quantize_act_int8): integer dot
     products per block, as llama.cpp's Q4_1 x Q8_1."""
     return torch.ops.firstlight.int4_mm_a8(x, packed, d, m, group_size, MAX_TILED_M)
+
+
+def int8_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, act_int8: bool = False) -> torch.Tensor:
+    """Per-row int8 weight (aten._weight_int8pack_mm's layout: q int8 [N, K], scales [N]; K % 32 == 0) times
+    x [M, K] -> fp32 [M, N]; with act_int8, x is first rounded as quantize_act_int8."""
+    return torch.ops.firstlight.int8_mm(x, qweight, scales, act_int8, MAX_TILED_M)
 
 
 def quantize_act_int8(x: torch.Tensor) -> torch.Tensor:

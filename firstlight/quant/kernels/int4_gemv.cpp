@@ -254,6 +254,91 @@ void rows_a8(int64_t MT, const int8_t* qx, const float* sc, int64_t lds, int64_t
 #endif
 }
 
+// ---- int8 weight-only (symmetric per output row, as aten._weight_int8pack_mm): y[m, n] = s[n] * sum_k q[n, k] x[m, k].
+// float activations: each weight block is widened once (4 x 8 int8 -> fp32) and used by every activation
+// row of the tile; int8 activations (as the int4 path): per block the int32 dot product of the row's bytes
+// with the activation's (maddubs needs one unsigned operand: |qx| and q carrying qx's sign, as llama.cpp's
+// Q8_0 x Q8_0), times dx_b.
+
+template <int MT>
+void i8_rows_f32(const float* x, int64_t K, const int8_t* w, const float* s, float* y, int64_t ldy, int64_t n0,
+                 int64_t n1) {
+#ifdef __AVX2__
+  constexpr int A = MT == 1 ? 4 : (MT == 2 ? 2 : 1);
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wr = w + n * K;
+    __m256 acc[MT][A];
+    for (int t = 0; t < MT; ++t)
+      for (int a = 0; a < A; ++a) acc[t][a] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += kBlock) {
+      __m256 wf[4];
+      for (int i = 0; i < 4; ++i)
+        wf[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + k + 8 * i))));
+      for (int t = 0; t < MT; ++t)
+        for (int i = 0; i < 4; ++i)
+          acc[t][i % A] = _mm256_fmadd_ps(wf[i], _mm256_loadu_ps(x + t * K + k + 8 * i), acc[t][i % A]);
+    }
+    for (int t = 0; t < MT; ++t) {
+      __m256 v = acc[t][0];
+      for (int a = 1; a < A; ++a) v = _mm256_add_ps(v, acc[t][a]);
+      y[t * ldy + n] = hsum(v) * s[n];
+    }
+  }
+#else
+  for (int64_t n = n0; n < n1; ++n)
+    for (int t = 0; t < MT; ++t) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += static_cast<float>(w[n * K + k]) * x[t * K + k];
+      y[t * ldy + n] = acc * s[n];
+    }
+#endif
+}
+
+#ifdef __AVX2__
+template <int R>
+void i8_rows_a8_avx2(const int8_t* qx, const float* dx, int64_t K, const int8_t* w, const float* s, float* y, int64_t n) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + b * kBlock));
+    const __m256i ax = _mm256_sign_epi8(xv, xv);
+    const __m256 vdx = _mm256_broadcast_ss(dx + b);
+    for (int r = 0; r < R; ++r) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n + r) * K + b * kBlock));
+      const __m256i s32 = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, xv)), ones);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), vdx, acc[r]);
+    }
+  }
+  if constexpr (R == 4) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    const __m128 v = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    _mm_storeu_ps(y + n, _mm_mul_ps(v, _mm_loadu_ps(s + n)));
+  } else {
+    for (int r = 0; r < R; ++r) y[n + r] = hsum(acc[r]) * s[n + r];
+  }
+}
+#endif
+
+void i8_rows_a8(const int8_t* qx, const float* dx, int64_t K, const int8_t* w, const float* s, float* y, int64_t n0,
+                int64_t n1) {
+#ifdef __AVX2__
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) i8_rows_a8_avx2<4>(qx, dx, K, w, s, y, n);
+  for (; n < n1; ++n) i8_rows_a8_avx2<1>(qx, dx, K, w, s, y, n);
+#else
+  for (int64_t n = n0; n < n1; ++n) {
+    float acc = 0.f;
+    for (int64_t b = 0; b < K / kBlock; ++b) {
+      int32_t d = 0;
+      for (int64_t j = 0; j < kBlock; ++j) d += w[n * K + b * kBlock + j] * qx[b * kBlock + j];
+      acc += dx[b] * static_cast<float>(d);
+    }
+    y[n] = acc * s[n];
+  }
+#endif
+}
+
 template <int MT>
 void rows_scalar(const float* x, int64_t ldx, const uint8_t* wq, const float* d, const float* m, int64_t K,
                  int64_t G, float* y, int64_t ldy, int64_t n0, int64_t n1) {
@@ -446,14 +531,76 @@ at::Tensor int4_mm_a8(const at::Tensor& x, const at::Tensor& packed, const at::T
   return y;
 }
 
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, bool act_int8,
+                   int64_t max_tiled_m) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(1) % kBlock == 0,
+              "firstlight::int8_mm weight must be contiguous int8 [N, K], K a multiple of 32");
+  const int64_t N = q.size(0), K = q.size(1), nblocks = K / kBlock;
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N, "firstlight::int8_mm scales must be [N]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "firstlight::int8_mm x must be [M, ", K, "], got ", x.sizes());
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor sf = scales.to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0);
+  at::Tensor y = at::empty({M, N}, xf.options());
+  if (M == 0) return y;
+  at::Tensor qx, sc;
+  if (act_int8) {
+    qx = at::empty({M, K}, xf.options().dtype(at::kChar));
+    sc = at::empty({M, nblocks + 1}, xf.options());  // dx per block, then the (unused) sum
+    for (int64_t r = 0; r < M; ++r)
+      quantize_row_q8(xf.data_ptr<float>() + r * K, K, K, qx.data_ptr<int8_t>() + r * K,
+                      sc.data_ptr<float>() + r * (nblocks + 1), sc.data_ptr<float>() + r * (nblocks + 1) + nblocks);
+  }
+  if (M > max_tiled_m) {  // prefill: dequantize a slab of rows at a time (exact: int8 * fp32 scale), at::mm
+    if (act_int8)
+      xf = (qx.to(at::kFloat).view({M, nblocks, kBlock}) * sc.narrow(1, 0, nblocks).unsqueeze(2)).view({M, K});
+    const int64_t slab = std::max<int64_t>(64, (int64_t{1} << 20) / K);
+    for (int64_t n0 = 0; n0 < N; n0 += slab) {
+      const int64_t len = std::min(slab, N - n0);
+      const at::Tensor w = q.narrow(0, n0, len).to(at::kFloat) * sf.narrow(0, n0, len).unsqueeze(1);
+      y.narrow(1, n0, len).copy_(at::mm(xf, w.t()));
+    }
+    return y;
+  }
+  const int8_t* wp = q.data_ptr<int8_t>();
+  const float* sp = sf.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float* xp = xf.data_ptr<float>();
+  at::parallel_for(0, N, kRowChunk, [&](int64_t n0, int64_t n1) {
+    for (int64_t c0 = n0; c0 < n1; c0 += kRowChunk) {
+      const int64_t c1 = std::min(c0 + kRowChunk, n1);
+      if (act_int8) {
+        for (int64_t r = 0; r < M; ++r)
+          i8_rows_a8(qx.data_ptr<int8_t>() + r * K, sc.data_ptr<float>() + r * (nblocks + 1), K, wp, sp,
+                     yp + r * N, c0, c1);
+        continue;
+      }
+      for (int64_t r0 = 0; r0 < M; r0 += 4) {
+        const int64_t mt = std::min<int64_t>(4, M - r0);
+        const float* xr = xp + r0 * K;
+        float* yr = yp + r0 * N;
+        switch (mt) {
+          case 1: i8_rows_f32<1>(xr, K, wp, sp, yr, N, c0, c1); break;
+          case 2: i8_rows_f32<2>(xr, K, wp, sp, yr, N, c0, c1); break;
+          case 3: i8_rows_f32<3>(xr, K, wp, sp, yr, N, c0, c1); break;
+          default: i8_rows_f32<4>(xr, K, wp, sp, yr, N, c0, c1); break;
+        }
+      }
+    }
+  });
+  return y;
+}
+
 TORCH_LIBRARY(firstlight, lib) {
   lib.def("int4_mm(Tensor x, Tensor packed, Tensor scales, Tensor mins, int group_size, int max_tiled_m) -> Tensor");
   lib.def("int4_mm_a8(Tensor x, Tensor packed, Tensor scales, Tensor mins, int group_size, int max_tiled_m) -> Tensor");
+  lib.def("int8_mm(Tensor x, Tensor qweight, Tensor scales, bool act_int8, int max_tiled_m) -> Tensor");
   lib.def("int4_dequant(Tensor packed, Tensor scales, Tensor mins, int group_size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(firstlight, CPU, lib) {
   lib.impl("int4_mm", &int4_mm);
   lib.impl("int4_mm_a8", &int4_mm_a8);
+  lib.impl("int8_mm", &int8_mm);
   lib.impl("int4_dequant", &int4_dequant);
 }

@@ -1,5 +1,7 @@
-"""firstlight's int4 CPU kernel (firstlight::int4_mm) vs torch's aten._weight_int4pack_mm_for_cpu vs fp32
-torch.mm, at SmolLM2-135M's linear shapes, same run, same threads.
+"""firstlight's int4 CPU kernel (firstlight::int4_mm; int4_mm_a8 with int8 activations, the w4a8 format) vs
+torch's aten._weight_int4pack_mm_for_cpu vs fp32 torch.mm, at SmolLM2-135M's linear shapes, same run, same
+threads; then the int8 weight-only kernel (firstlight::int8_mm, fp32 / int8 activations) vs
+aten._weight_int8pack_mm (bf16 activations) at the tied LM head's shape and one layer's.
 
     PYTHONPATH=. .venv/bin/python benchmarks/int4_kernel.py --threads 1
     PYTHONPATH=. .venv/bin/python benchmarks/int4_kernel.py --threads 2 --ms 1,4,8,32,128
@@ -33,6 +35,31 @@ def _timed(fn, repeats: int) -> float:  # noqa: ANN001
     return median_time(loop, repeats) / calls
 
 
+INT8_SHAPES = ((576, 49152), (576, 1536))  # the tied LM head; one MLP projection
+
+
+def int8_rows(args: argparse.Namespace, rows: list[dict]) -> None:
+    from firstlight.quant import int4_kernel as ik
+    from firstlight.quant.int8 import quantize_per_channel_int8
+
+    print(f"\nint8 weight-only {'K->N':>12} {'M':>4} {'f32 us':>8} {'a8 us':>8} {'aten us':>9} {'aten/f32':>8} "
+          f"{'aten/a8':>8} {'f32 GB/s':>8} {'a8 GB/s':>8}")
+    for k, n in INT8_SHAPES:
+        torch.manual_seed(0)
+        q, scale = quantize_per_channel_int8(torch.randn(n, k), scale_dtype=torch.bfloat16)
+        scale = scale.bfloat16()
+        nbytes = q.numel() + 2 * scale.numel()
+        for mm in (int(s) for s in args.ms.split(",")):
+            x = torch.randn(mm, k)
+            xb = x.bfloat16()
+            t_f = _timed(lambda x=x, q=q, s=scale: ik.int8_mm(x, q, s, False), args.repeats)
+            t_a = _timed(lambda x=x, q=q, s=scale: ik.int8_mm(x, q, s, True), args.repeats)
+            t_t = _timed(lambda xb=xb, q=q, s=scale: torch.ops.aten._weight_int8pack_mm(xb, q, s), args.repeats)
+            rows.append(dict(kind="int8", k=k, n=n, m=mm, f32_us=t_f * 1e6, a8_us=t_a * 1e6, aten_us=t_t * 1e6))
+            print(f"{'':>16} {f'{k}->{n}':>12} {mm:>4} {t_f * 1e6:>8.1f} {t_a * 1e6:>8.1f} {t_t * 1e6:>9.1f} "
+                  f"{t_t / t_f:>8.2f} {t_t / t_a:>8.2f} {nbytes / t_f / 1e9:>8.1f} {nbytes / t_a / 1e9:>8.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
@@ -53,8 +80,8 @@ def main() -> None:
     rows = []
     print(f"threads {args.threads}, kernel {isa}, group {g}, copy bandwidth {bw:.1f} GB/s, "
           f"load {os.getloadavg()[0]:.2f}")
-    print(f"{'K->N':>12} {'M':>4} {'ours us':>9} {'aten us':>9} {'fp32 mm us':>10} {'aten/ours':>9} "
-          f"{'mm/ours':>8} {'ours GB/s':>9} {'aten GB/s':>9}")
+    print(f"{'K->N':>12} {'M':>4} {'ours us':>9} {'a8 us':>8} {'aten us':>9} {'fp32 mm us':>10} {'aten/ours':>9} "
+          f"{'ours/a8':>8} {'mm/ours':>8} {'ours GB/s':>9} {'a8 GB/s':>8} {'aten GB/s':>9}")
     with torch.inference_mode():
         for k, n in SHAPES:
             torch.manual_seed(0)
@@ -70,14 +97,18 @@ def main() -> None:
                 x = torch.randn(mm, k)
                 xb = x.bfloat16()
                 t_ours = _timed(lambda x=x, p=packed, d=d, mi=mins: ik.int4_mm(x, p, d, mi, g), args.repeats)
+                t_a8 = _timed(lambda x=x, p=packed, d=d, mi=mins: ik.int4_mm_a8(x, p, d, mi, g), args.repeats)
                 t_aten = _timed(lambda xb=xb, p=apacked, sz=sz: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p, g, sz),
                                 args.repeats)
                 t_mm = _timed(lambda x=x, wf=wf: torch.mm(x, wf), args.repeats)
-                row = dict(k=k, n=n, m=mm, ours_us=t_ours * 1e6, aten_us=t_aten * 1e6, mm_us=t_mm * 1e6,
-                           ours_gbs=ours_bytes / t_ours / 1e9, aten_gbs=aten_bytes / t_aten / 1e9)
+                row = dict(k=k, n=n, m=mm, ours_us=t_ours * 1e6, a8_us=t_a8 * 1e6, aten_us=t_aten * 1e6,
+                           mm_us=t_mm * 1e6, ours_gbs=ours_bytes / t_ours / 1e9, a8_gbs=ours_bytes / t_a8 / 1e9,
+                           aten_gbs=aten_bytes / t_aten / 1e9)
                 rows.append(row)
-                print(f"{f'{k}->{n}':>12} {mm:>4} {row['ours_us']:>9.1f} {row['aten_us']:>9.1f} {row['mm_us']:>10.1f} "
-                      f"{t_aten / t_ours:>9.2f} {t_mm / t_ours:>8.2f} {row['ours_gbs']:>9.1f} {row['aten_gbs']:>9.1f}")
+                print(f"{f'{k}->{n}':>12} {mm:>4} {row['ours_us']:>9.1f} {row['a8_us']:>8.1f} {row['aten_us']:>9.1f} "
+                      f"{row['mm_us']:>10.1f} {t_aten / t_ours:>9.2f} {t_ours / t_a8:>8.2f} {t_mm / t_ours:>8.2f} "
+                      f"{row['ours_gbs']:>9.1f} {row['a8_gbs']:>8.1f} {row['aten_gbs']:>9.1f}")
+        int8_rows(args, rows)
     if args.json:
         print(json.dumps(dict(threads=args.threads, isa=isa, copy_gbs=bw, load=os.getloadavg()[0], rows=rows)))
 

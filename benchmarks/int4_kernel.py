@@ -6,7 +6,8 @@ aten._weight_int8pack_mm (bf16 activations) at the tied LM head's shape and one 
     PYTHONPATH=. .venv/bin/python benchmarks/int4_kernel.py --threads 1
     PYTHONPATH=. .venv/bin/python benchmarks/int4_kernel.py --threads 2 --ms 1,4,8,32,128
 
-Each cell: the median of --repeats timed calls (each timed sample loops enough calls to last ~2 ms).
+Each cell: the median of --repeats rounds; a round times every kernel of the row once, one after the
+other (each sample loops enough calls to last ~2 ms), so load from other processes hits them alike.
 aten gets bfloat16 activations (how Int4WeightOnlyLinear used it on CPU); ours and torch.mm take fp32.
 GB/s = int4 weight bytes (N*K/2 codes + the scales/zeros each kernel reads) / time; the bound is the
 machine's copy bandwidth (a 256 MiB tensor copy, read + write), measured in the same run.
@@ -17,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import time
 
 import torch
 from _common import copy_bandwidth_gbs, median_time
@@ -24,15 +27,22 @@ from _common import copy_bandwidth_gbs, median_time
 SHAPES = ((576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152))  # (K, N)
 
 
-def _timed(fn, repeats: int) -> float:  # noqa: ANN001
-    fn()
-    once = median_time(fn, 3)
-    calls = max(1, int(2e-3 / max(once, 1e-7)))
-
-    def loop() -> None:
-        for _ in range(calls):
-            fn()
-    return median_time(loop, repeats) / calls
+def _interleaved(fns: list, repeats: int) -> list[float]:  # noqa: ANN001
+    """Seconds per call of each fn: each round times every fn once (loops of ~2 ms), so a burst of load
+    from other processes hits all of them alike; the median over rounds per fn."""
+    loops = []
+    for fn in fns:
+        fn()
+        calls = max(1, int(2e-3 / max(median_time(fn, 3), 1e-7)))
+        loops.append((fn, calls))
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, (fn, calls) in enumerate(loops):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples[i].append((time.perf_counter() - t0) / calls)
+    return [statistics.median(s) for s in samples]
 
 
 INT8_SHAPES = ((576, 49152), (576, 1536))  # the tied LM head; one MLP projection
@@ -52,9 +62,10 @@ def int8_rows(args: argparse.Namespace, rows: list[dict]) -> None:
         for mm in (int(s) for s in args.ms.split(",")):
             x = torch.randn(mm, k)
             xb = x.bfloat16()
-            t_f = _timed(lambda x=x, q=q, s=scale: ik.int8_mm(x, q, s, False), args.repeats)
-            t_a = _timed(lambda x=x, q=q, s=scale: ik.int8_mm(x, q, s, True), args.repeats)
-            t_t = _timed(lambda xb=xb, q=q, s=scale: torch.ops.aten._weight_int8pack_mm(xb, q, s), args.repeats)
+            t_f, t_a, t_t = _interleaved([
+                lambda x=x, q=q, s=scale: ik.int8_mm(x, q, s, False),
+                lambda x=x, q=q, s=scale: ik.int8_mm(x, q, s, True),
+                lambda xb=xb, q=q, s=scale: torch.ops.aten._weight_int8pack_mm(xb, q, s)], args.repeats)
             rows.append(dict(kind="int8", k=k, n=n, m=mm, f32_us=t_f * 1e6, a8_us=t_a * 1e6, aten_us=t_t * 1e6))
             print(f"{'':>16} {f'{k}->{n}':>12} {mm:>4} {t_f * 1e6:>8.1f} {t_a * 1e6:>8.1f} {t_t * 1e6:>9.1f} "
                   f"{t_t / t_f:>8.2f} {t_t / t_a:>8.2f} {nbytes / t_f / 1e9:>8.1f} {nbytes / t_a / 1e9:>8.1f}")
@@ -96,11 +107,11 @@ def main() -> None:
             for mm in (int(s) for s in args.ms.split(",")):
                 x = torch.randn(mm, k)
                 xb = x.bfloat16()
-                t_ours = _timed(lambda x=x, p=packed, d=d, mi=mins: ik.int4_mm(x, p, d, mi, g), args.repeats)
-                t_a8 = _timed(lambda x=x, p=packed, d=d, mi=mins: ik.int4_mm_a8(x, p, d, mi, g), args.repeats)
-                t_aten = _timed(lambda xb=xb, p=apacked, sz=sz: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p, g, sz),
-                                args.repeats)
-                t_mm = _timed(lambda x=x, wf=wf: torch.mm(x, wf), args.repeats)
+                t_ours, t_a8, t_aten, t_mm = _interleaved([
+                    lambda x=x, p=packed, d=d, mi=mins: ik.int4_mm(x, p, d, mi, g),
+                    lambda x=x, p=packed, d=d, mi=mins: ik.int4_mm_a8(x, p, d, mi, g),
+                    lambda xb=xb, p=apacked, sz=sz: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p, g, sz),
+                    lambda x=x, wf=wf: torch.mm(x, wf)], args.repeats)
                 row = dict(k=k, n=n, m=mm, ours_us=t_ours * 1e6, a8_us=t_a8 * 1e6, aten_us=t_aten * 1e6,
                            mm_us=t_mm * 1e6, ours_gbs=ours_bytes / t_ours / 1e9, a8_gbs=ours_bytes / t_a8 / 1e9,
                            aten_gbs=aten_bytes / t_aten / 1e9)

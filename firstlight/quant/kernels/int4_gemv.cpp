@@ -295,37 +295,26 @@ void i8_rows_f32(const float* x, int64_t K, const int8_t* w, const float* s, flo
 }
 
 #ifdef __AVX2__
-template <int R>
-void i8_rows_a8_avx2(const int8_t* qx, const float* dx, int64_t K, const int8_t* w, const float* s, float* y, int64_t n) {
+// One output row at a time, two accumulators: at the LM head's 49152 x 576 this streamed faster than
+// four interleaved rows (3.2 vs 5.2 ms, same run), unlike the int4 rows (half as long).
+void i8_row_a8_avx2(const int8_t* qx, const float* dx, int64_t K, const int8_t* w, const float* s, float* y, int64_t n) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  const int8_t* wr = w + n * K;
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + b * kBlock));
-    const __m256i ax = _mm256_sign_epi8(xv, xv);
-    const __m256 vdx = _mm256_broadcast_ss(dx + b);
-    for (int r = 0; r < R; ++r) {
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n + r) * K + b * kBlock));
-      const __m256i s32 = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, xv)), ones);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), vdx, acc[r]);
-    }
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * kBlock));
+    const __m256i s32 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv)), ones);
+    acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_broadcast_ss(dx + b), acc[b & 1]);
   }
-  if constexpr (R == 4) {
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-    const __m128 v = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    _mm_storeu_ps(y + n, _mm_mul_ps(v, _mm_loadu_ps(s + n)));
-  } else {
-    for (int r = 0; r < R; ++r) y[n + r] = hsum(acc[r]) * s[n + r];
-  }
+  y[n] = hsum(_mm256_add_ps(acc[0], acc[1])) * s[n];
 }
 #endif
 
 void i8_rows_a8(const int8_t* qx, const float* dx, int64_t K, const int8_t* w, const float* s, float* y, int64_t n0,
                 int64_t n1) {
 #ifdef __AVX2__
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) i8_rows_a8_avx2<4>(qx, dx, K, w, s, y, n);
-  for (; n < n1; ++n) i8_rows_a8_avx2<1>(qx, dx, K, w, s, y, n);
+  for (int64_t n = n0; n < n1; ++n) i8_row_a8_avx2(qx, dx, K, w, s, y, n);
 #else
   for (int64_t n = n0; n < n1; ++n) {
     float acc = 0.f;

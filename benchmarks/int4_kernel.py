@@ -5,6 +5,7 @@ aten._weight_int8pack_mm (bf16 activations) at the tied LM head's shape and one 
 
     PYTHONPATH=. .venv/bin/python benchmarks/int4_kernel.py --threads 1
     PYTHONPATH=. .venv/bin/python benchmarks/int4_kernel.py --threads 2 --ms 1,4,8,32,128
+    PYTHONPATH=. .venv/bin/python benchmarks/int4_kernel.py --threads 1 --step     # one decode step's int4 matmuls
 
 Each cell: the median of --repeats rounds; a round times every kernel of the row once, one after the
 other (each sample loops enough calls to last ~2 ms), so load from other processes hits them alike.
@@ -71,6 +72,43 @@ def int8_rows(args: argparse.Namespace, rows: list[dict]) -> None:
                   f"{t_t / t_f:>8.2f} {t_t / t_a:>8.2f} {nbytes / t_f / 1e9:>8.1f} {nbytes / t_a / 1e9:>8.1f}")
 
 
+LAYER_SHAPES = ((576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576))  # q k v o g u d
+
+
+def step_rows(args: argparse.Namespace) -> None:
+    """The int4 matmuls of one SmolLM2-135M decode step (30 layers x 7 at M = 1), int4_mm vs int4_mm_a8,
+    alternating per round: with 30 distinct layers (53 MB: weights stream from DRAM) and with 2 layers
+    reused (cache-resident), to tell bandwidth from instructions."""
+    from firstlight.quant import int4_kernel as ik
+    from firstlight.quant.int4 import quantize_groupwise_int4
+
+    xs = {576: torch.randn(1, 576), 1536: torch.randn(1, 1536)}
+    for distinct in (30, 2):
+        torch.manual_seed(0)
+        layers = []
+        for _ in range(distinct):
+            ws = []
+            for k, n in LAYER_SHAPES:
+                q, scale, zero = quantize_groupwise_int4(torch.randn(n, k) / k**0.5, 32, param_dtype=torch.bfloat16)
+                ws.append((k, ik.pack_int4(q, scale, zero, 32)))
+            layers.append(ws)
+        order = (layers * 30)[:30]
+
+        def step(mm, order=order) -> None:  # noqa: ANN001
+            for ws in order:
+                for k, (p, d, mins) in ws:
+                    mm(xs[k], p, d, mins, 32)
+        t_f, t_a = [], []
+        for _ in range(args.repeats):
+            for fn, out in ((ik.int4_mm, t_f), (ik.int4_mm_a8, t_a)):
+                t0 = time.perf_counter()
+                step(fn)
+                out.append(time.perf_counter() - t0)
+        ratio = statistics.median(f / a for f, a in zip(t_f, t_a, strict=True))
+        print(f"one step's int4 matmuls, {distinct} distinct layers: float {statistics.median(t_f) * 1e3:.2f} ms, "
+              f"int8 activations {statistics.median(t_a) * 1e3:.2f} ms, float / a8 {ratio:.2f} (median of rounds)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
@@ -78,6 +116,7 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--step", action="store_true", help="only the per-step float vs int8-activation A/B")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("FIRSTLIGHT_INT4_KERNEL", "firstlight")
@@ -86,6 +125,10 @@ def main() -> None:
     from firstlight.quant.int4 import quantize_groupwise_int4
 
     isa = ik.load_kernel()
+    if args.step:
+        print(f"threads {args.threads}, kernel {isa}, load {os.getloadavg()[0]:.2f}")
+        step_rows(args)
+        return
     g = args.group_size
     bw = copy_bandwidth_gbs()
     rows = []

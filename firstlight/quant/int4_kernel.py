@@ -32,6 +32,9 @@ MAX_TILED_M = 16
 
 _state: dict[str, object] = {}
 _fakes: list[bool] = []  # register_fake once per process, however often the load is re-decided
+# The ISA of the library this process loaded: TORCH_LIBRARY(firstlight) may be registered once per process,
+# so a second load (another FIRSTLIGHT_HOME, after reset_for_tests) would abort; it reuses the first.
+_loaded: list[str] = []
 
 
 def kernel_mode() -> str:
@@ -54,6 +57,8 @@ def _build() -> str:
     isa = os.environ.get(ISA_ENV) or ("avx2" if cpu_has_avx2() else "scalar")
     if isa not in ("avx2", "scalar"):
         raise QuantizationError(f"{ISA_ENV}={isa!r} is not one of avx2, scalar")
+    if _loaded:
+        return _loaded[0]
     flags = ["-O3", "-mavx2", "-mfma"] if isa == "avx2" else ["-O3"]
     tag = hashlib.sha256((SOURCE.read_text() + " ".join(flags)).encode()).hexdigest()[:10]
     torch_tag = re.sub(r"[^0-9A-Za-z]+", "_", torch.__version__)
@@ -64,6 +69,7 @@ def _build() -> str:
         name=name, sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(build_dir),
         is_python_module=False, verbose=False,
     )
+    _loaded.append(isa)
     if not _fakes:
         _register_fakes()
         _fakes.append(True)

@@ -29,6 +29,9 @@ SOURCE = Path(__file__).parent / "kernels" / "int4_gemv.cpp"
 BLOCK = 32  # input channels per 16-byte block of nibbles
 # Above this many activation rows, int4_mm dequantizes once and calls at::mm (benchmarks/int4_kernel.py).
 MAX_TILED_M = 16
+# int8_mm: dequantizing int8 costs more per weight, so its tiles pay until ~64 rows (the head, 49152 x 576:
+# tiled 39 / 89 / 160 ms vs dequantize + mm 64 / 89 / 121 ms at M = 32 / 64 / 128, 1 thread)
+INT8_MAX_TILED_M = 64
 
 _state: dict[str, object] = {}
 _fakes: list[bool] = []  # register_fake once per process, however often the load is re-decided
@@ -156,7 +159,7 @@ def int4_mm_a8(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.
 def int8_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, act_int8: bool = False) -> torch.Tensor:
     """Per-row int8 weight (aten._weight_int8pack_mm's layout: q int8 [N, K], scales [N]; K % 32 == 0) times
     x [M, K] -> fp32 [M, N]; with act_int8, x is first rounded as quantize_act_int8."""
-    return torch.ops.firstlight.int8_mm(x, qweight, scales, act_int8, MAX_TILED_M)
+    return torch.ops.firstlight.int8_mm(x, qweight, scales, act_int8, INT8_MAX_TILED_M)
 
 
 def quantize_act_int8(x: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ def _case(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 @pytest.mark.parametrize("n,k", [(64, 128), (37, 96), (5, 32), (130, 576)])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 17, 40])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 17, 40, 70])  # 70 > INT8_MAX_TILED_M: dequantize + mm
 def test_int8_mm_float_and_int8_activations(kernel_isa, m, n, k):  # noqa: F811
     q, scale, w = _case(n, k)
     x = torch.randn(m, k)

@@ -8,6 +8,8 @@
 // AVX2 + FMA path under __AVX2__, a scalar path otherwise; both compute each weight as fmaf(q, d, m).
 // Each unpacked weight block is reused across a tile of up to 8 activation rows. Threads: at::parallel_for
 // over output rows. Large M: dequantize once (same fma) and at::mm.
+// Also: int4_mm_a8 (int8 activations per block of 32, integer dot products: the w4a8 format) and int8_mm
+// (per-row int8 weights, aten._weight_int8pack_mm's layout: the int8 linears and tied LM head on CPU).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -23,8 +23,8 @@ from collections import defaultdict
 import torch
 
 CLASSES = (  # first match wins; names are aten / quantized op names as the profiler reports them
-    ("matmul: int4 packed", ("_weight_int4pack_mm", "firstlight::int4_mm")),
-    ("matmul: int8 packed", ("_weight_int8pack_mm",)),
+    ("matmul: int4 packed", ("_weight_int4pack_mm", "firstlight::int4_mm")),  # and int4_mm_a8
+    ("matmul: int8 packed", ("_weight_int8pack_mm", "firstlight::int8_mm")),
     ("matmul: fbgemm int8", ("quantized::linear",)),
     ("matmul: fp32/bf16", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")),
     ("attention (SDPA)", ("scaled_dot_product", "_flash_attention", "_efficient_attention")),

@@ -120,16 +120,20 @@ def _inner_k_tiles(k: int) -> int:
 class Int4WeightOnlyLinear(QuantizedModule):
     def __init__(
         self, linear: nn.Linear, group_size: int, compute_dtype: torch.dtype, kernel: str, clip_search: bool = False,
-        params: tuple[torch.Tensor, torch.Tensor] | None = None,
+        params: tuple[torch.Tensor, torch.Tensor] | None = None, activations: str = "float",
     ) -> None:
-        """params: (scale, zero) each [N, K/G] from a calibrated method (GPTQ)."""
+        """params: (scale, zero) each [N, K/G] from a calibrated method (GPTQ). activations: "float", or
+        "int8" (rounded per block of 32, integer dot products: firstlight's CPU kernel only)."""
         super().__init__()
+        self.activations = activations
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.group_size, self.compute_dtype, self.kernel = group_size, compute_dtype, kernel
         q, scale, zero = quantize_groupwise_int4(linear.weight, group_size, clip_search, compute_dtype, params)
         self.on_cuda = linear.weight.device.type == "cuda"
         # firstlight's kernel on CPU when it is built (kernel_path decided which; the same test here)
         self.ours = not self.on_cuda and int4_kernel.load_kernel() is not None
+        if activations == "int8" and not self.ours:
+            raise QuantizationError("int4 with int8 activations needs firstlight's CPU int4 kernel (w4a8)")
         if self.ours:
             packed, d, m = int4_kernel.pack_int4(q, scale, zero, group_size)
             self.register_buffer("packed", packed)  # uint8 [N, K/2]
@@ -148,7 +152,8 @@ class Int4WeightOnlyLinear(QuantizedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ours:
             x2 = flatten_tokens(x, torch.float32)  # [M, K]
-            y = int4_kernel.int4_mm(x2, self.packed, self.scales, self.mins, self.group_size)
+            mm = int4_kernel.int4_mm_a8 if self.activations == "int8" else int4_kernel.int4_mm
+            y = mm(x2, self.packed, self.scales, self.mins, self.group_size)
         else:
             x2 = flatten_tokens(x, self.compute_dtype)  # [M, K]
             if self.on_cuda:
@@ -170,13 +175,16 @@ class Int4WeightOnlyLinear(QuantizedModule):
         return cols.float().t().contiguous()  # [N, K]
 
     def extra_repr(self) -> str:
-        return f"{self.in_features} -> {self.out_features}, int4 group {self.group_size}, {self.kernel}"
+        acts = ", int8 activations" if self.activations == "int8" else ""
+        return f"{self.in_features} -> {self.out_features}, int4 group {self.group_size}{acts}, {self.kernel}"
 
 
 @register_format
 class Int4WeightOnly(QuantFormat):
     name = "int4"
     summary = "int4 weights, asymmetric per group of input channels; activations unquantized (firstlight or aten int4 mm)"
+
+    activations = "float"  # w4a8 (quant/w4a8.py): "int8"
 
     def __init__(self, group_size: int = 32, compute_dtype: str = "auto", clip_search: bool = False, **opts: Any) -> None:
         super().__init__(**opts)
@@ -225,4 +233,4 @@ class Int4WeightOnly(QuantFormat):
         self.check_linear(linear)
         cdt = resolve_compute_dtype(self.compute_dtype, device, dtype, torch.bfloat16)
         p = None if params is None else (params[0], params[1])
-        return Int4WeightOnlyLinear(linear, self.group_size, cdt, kernel, self.clip_search, p)
+        return Int4WeightOnlyLinear(linear, self.group_size, cdt, kernel, self.clip_search, p, self.activations)

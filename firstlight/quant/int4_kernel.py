@@ -29,9 +29,15 @@ SOURCE = Path(__file__).parent / "kernels" / "int4_gemv.cpp"
 BLOCK = 32  # input channels per 16-byte block of nibbles
 # Above this many activation rows, int4_mm dequantizes once and calls at::mm (benchmarks/int4_kernel.py).
 MAX_TILED_M = 16
+# int8_mm: dequantizing int8 costs more per weight, so its tiles pay until ~64 rows (the head, 49152 x 576:
+# tiled 39 / 89 / 160 ms vs dequantize + mm 64 / 89 / 121 ms at M = 32 / 64 / 128, 1 thread)
+INT8_MAX_TILED_M = 64
 
 _state: dict[str, object] = {}
 _fakes: list[bool] = []  # register_fake once per process, however often the load is re-decided
+# The ISA of the library this process loaded: TORCH_LIBRARY(firstlight) may be registered once per process,
+# so a second load (another FIRSTLIGHT_HOME, after reset_for_tests) would abort; it reuses the first.
+_loaded: list[str] = []
 
 
 def kernel_mode() -> str:
@@ -54,6 +60,8 @@ def _build() -> str:
     isa = os.environ.get(ISA_ENV) or ("avx2" if cpu_has_avx2() else "scalar")
     if isa not in ("avx2", "scalar"):
         raise QuantizationError(f"{ISA_ENV}={isa!r} is not one of avx2, scalar")
+    if _loaded:
+        return _loaded[0]
     flags = ["-O3", "-mavx2", "-mfma"] if isa == "avx2" else ["-O3"]
     tag = hashlib.sha256((SOURCE.read_text() + " ".join(flags)).encode()).hexdigest()[:10]
     torch_tag = re.sub(r"[^0-9A-Za-z]+", "_", torch.__version__)
@@ -64,6 +72,7 @@ def _build() -> str:
         name=name, sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(build_dir),
         is_python_module=False, verbose=False,
     )
+    _loaded.append(isa)
     if not _fakes:
         _register_fakes()
         _fakes.append(True)
@@ -74,6 +83,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("firstlight::int4_mm")
     def _(x, packed, scales, mins, group_size, max_tiled_m):  # noqa: ANN001, ANN202
         return x.new_empty((x.shape[0], packed.shape[0]), dtype=torch.float32)
+
+    @torch.library.register_fake("firstlight::int4_mm_a8")
+    def _(x, packed, scales, mins, group_size, max_tiled_m):  # noqa: ANN001, ANN202
+        return x.new_empty((x.shape[0], packed.shape[0]), dtype=torch.float32)
+
+    @torch.library.register_fake("firstlight::int8_mm")
+    def _(x, qweight, scales, act_int8, max_tiled_m):  # noqa: ANN001, ANN202
+        return x.new_empty((x.shape[0], qweight.shape[0]), dtype=torch.float32)
 
     @torch.library.register_fake("firstlight::int4_dequant")
     def _(packed, scales, mins, group_size):  # noqa: ANN001, ANN202
@@ -131,6 +148,27 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_si
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group_size: int) -> torch.Tensor:
     """x [M, K] (any float dtype) -> fp32 [M, N]."""
     return torch.ops.firstlight.int4_mm(x, packed, d, m, group_size, MAX_TILED_M)
+
+
+def int4_mm_a8(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x [M, K] -> fp32 [M, N] = W~ x^, x^ = x rounded to int8 per block of 32 (quantize_act_int8): integer dot
+    products per block, as llama.cpp's Q4_1 x Q8_1."""
+    return torch.ops.firstlight.int4_mm_a8(x, packed, d, m, group_size, MAX_TILED_M)
+
+
+def int8_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, act_int8: bool = False) -> torch.Tensor:
+    """Per-row int8 weight (aten._weight_int8pack_mm's layout: q int8 [N, K], scales [N]; K % 32 == 0) times
+    x [M, K] -> fp32 [M, N]; with act_int8, x is first rounded as quantize_act_int8."""
+    return torch.ops.firstlight.int8_mm(x, qweight, scales, act_int8, INT8_MAX_TILED_M)
+
+
+def quantize_act_int8(x: torch.Tensor) -> torch.Tensor:
+    """Reference of the kernel's activation rounding: x [M, K] fp32 -> x^ = dx * round(x * 127 / amax) per
+    block of 32 channels, dx = amax / 127 (fp32 ops in the kernel's order)."""
+    xb = x.float().reshape(x.shape[0], -1, BLOCK)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(xb * inv) * (amax / 127.0)).reshape(x.shape)
 
 
 def int4_dequant(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group_size: int) -> torch.Tensor:

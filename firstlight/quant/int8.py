@@ -4,8 +4,11 @@
     Q[n, k]  = clamp(round(W[n, k] / scale[n]), -127, 127)      (int8)
     y        = (x @ Q^T) * scale + bias
 
-Kernel: `torch.ops.aten._weight_int8pack_mm(x [M, K], Q [N, K] int8, scale [N])` on CPU and CUDA.
-On CPU in torch 2.13 its vectorized path is the bf16 one: fp32 activations take a slow path (about
+Kernel: on CPU, by default firstlight's `firstlight::int8_mm` (quant/kernels/int4_gemv.cpp, the same
+extension and FIRSTLIGHT_INT4_KERNEL switch as int4; in_features a multiple of 32): the same Q and scale,
+fp32 activations, or with activations="int8" (the tied head of w4a8) activations rounded to int8 per block
+of 32 and integer dot products. Otherwise `torch.ops.aten._weight_int8pack_mm(x [M, K], Q [N, K] int8,
+scale [N])` on CPU and CUDA. On CPU in torch 2.13 its vectorized path is the bf16 one: fp32 activations take a slow path (about
 20x slower than an fp32 matmul at M=1, measured in benchmarks/quant_speed.py), so by default
 activations enter the kernel in bfloat16 on CPU (`compute_dtype="auto"`); pass
 compute_dtype="float32" for the exact-activation path.
@@ -19,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from firstlight.quant import int4_kernel
 from firstlight.quant.base import QuantizedModule, flatten_tokens, resolve_compute_dtype
 from firstlight.quant.registry import QuantFormat, QuantizationError, register_format, unsupported
 
@@ -58,12 +62,26 @@ class Int8ChannelGrid:
         return torch.round(w / s).clamp(-self.qmax, self.qmax) * s
 
 
+def uses_our_int8_kernel(linear: nn.Linear) -> bool:
+    """firstlight::int8_mm takes this layer: CPU, in_features % 32 == 0, the extension in use."""
+    return (linear.weight.device.type == "cpu" and linear.in_features % int4_kernel.BLOCK == 0
+            and int4_kernel.load_kernel() is not None)
+
+
 class Int8WeightOnlyLinear(QuantizedModule):
     def __init__(
-        self, linear: nn.Linear, compute_dtype: torch.dtype, kernel: str, params: tuple[torch.Tensor, ...] | None = None
+        self, linear: nn.Linear, compute_dtype: torch.dtype, kernel: str, params: tuple[torch.Tensor, ...] | None = None,
+        activations: str = "float",
     ) -> None:
-        """params: (scale [N],) from a calibrated method (GPTQ, whose weights already lie on that grid)."""
+        """params: (scale [N],) from a calibrated method (GPTQ, whose weights already lie on that grid).
+        activations "int8": rounded per block of 32 (firstlight's CPU kernel only)."""
         super().__init__()
+        self.ours = uses_our_int8_kernel(linear)
+        if activations == "int8" and not self.ours:
+            raise QuantizationError("int8 activations need firstlight's CPU kernel (in_features a multiple of 32)")
+        self.activations = activations
+        if self.ours:
+            kernel = f"firstlight::int8_mm ({int4_kernel.load_kernel()}, {'int8' if activations == 'int8' else 'float32'} activations)"
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.compute_dtype, self.kernel = compute_dtype, kernel
         q, scale = quantize_per_channel_int8(linear.weight, None if params is None else params[0], compute_dtype)
@@ -72,8 +90,11 @@ class Int8WeightOnlyLinear(QuantizedModule):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = flatten_tokens(x, self.compute_dtype)  # [M, K]
-        y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)  # [M, N]
+        if self.ours:
+            y = int4_kernel.int8_mm(flatten_tokens(x, torch.float32), self.qweight, self.scales, self.activations == "int8")
+        else:
+            x2 = flatten_tokens(x, self.compute_dtype)  # [M, K]
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)  # [M, N]
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -116,12 +137,22 @@ class Int8WeightOnly(QuantFormat):
     name = "int8"
     summary = "int8 weights, symmetric per output channel; activations unquantized (aten._weight_int8pack_mm)"
 
-    def __init__(self, compute_dtype: str = "auto", **opts: Any) -> None:
+    def __init__(self, compute_dtype: str = "auto", activations: str = "float", **opts: Any) -> None:
         super().__init__(**opts)
-        self.compute_dtype = compute_dtype
+        if activations not in ("float", "int8"):
+            raise QuantizationError(f"int8 activations must be 'float' or 'int8', got {activations!r}")
+        self.compute_dtype, self.activations = compute_dtype, activations
 
     def kernel_path(self, device: torch.device, dtype: torch.dtype) -> str:
         cdt = resolve_compute_dtype(self.compute_dtype, device, dtype, torch.bfloat16)
+        isa = int4_kernel.load_kernel() if device.type == "cpu" else None
+        if self.activations == "int8":
+            if isa is None:
+                raise unsupported(self.name, device, dtype, "int8 activations need firstlight's CPU kernel "
+                                  f"({int4_kernel.ENV}={int4_kernel.kernel_mode()} or not built there)")
+            return f"firstlight::int8_mm ({isa}, int8 activations per block of 32)"
+        if isa is not None:
+            return f"firstlight::int8_mm ({isa}, float32 activations; aten for in_features not a multiple of 32)"
         if device.type not in ("cpu", "cuda"):
             raise unsupported(self.name, device, dtype, "aten._weight_int8pack_mm has CPU and CUDA kernels only")
         return f"aten._weight_int8pack_mm ({device.type}, {str(cdt).removeprefix('torch.')} activations)"
@@ -134,4 +165,4 @@ class Int8WeightOnly(QuantFormat):
         cdt = resolve_compute_dtype(self.compute_dtype, device, dtype, torch.bfloat16)
         if linear.weight.ndim != 2:
             raise QuantizationError(f"int8: expected a 2-D weight, got {tuple(linear.weight.shape)}")
-        return Int8WeightOnlyLinear(linear, cdt, self.kernel_path(device, dtype), params)
+        return Int8WeightOnlyLinear(linear, cdt, self.kernel_path(device, dtype), params, self.activations)

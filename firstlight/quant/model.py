@@ -150,6 +150,8 @@ def quantize_model(
     head_choice = "none" if skip_lm_head else lm_head
     if head_choice == "auto":
         head_choice = "int8" if tied and qfmt.int8_tied_head and qfmt.name != "int8" and not skip_embeddings else "same"
+    # float activations into the tied int8 head in every format, w4a8 too: firstlight::int8_mm with int8
+    # activations measured no faster at the head's shape (docs/PERFORMANCE.md) and is less exact
     head_fmt = get_format("int8", compute_dtype=getattr(qfmt, "compute_dtype", "auto")) if head_choice == "int8" else qfmt
     kept = set(skip) | ({"lm_head"} if head_choice == "none" else set())
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in kept}

@@ -13,7 +13,7 @@ import torch
 # Goals of issue 7 on SmolLM2-135M (perplexity ratio vs fp32 on the hamlet sample); the KV-cache
 # formats (`kv-int8`, `kv-fp8`: weights unquantized, K/V stored as codes + per-(token, head) scales,
 # as `serve --kv-cache-dtype` stores them) are gated the same way (docs/QUANT.md).
-PPL_RATIO_GOALS = {"int8": 1.005, "fp8": 1.01, "int4": 1.05, "w8a8": 1.01,  # w8a8: issue 15
+PPL_RATIO_GOALS = {"int8": 1.005, "fp8": 1.01, "int4": 1.05, "w8a8": 1.01, "w4a8": 1.01,  # w8a8, w4a8: issue 15
                    "kv-int8": 1.005, "kv-fp8": 1.01}
 KV_PREFIX = "kv-"
 

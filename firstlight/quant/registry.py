@@ -17,7 +17,7 @@ from torch import nn
 from firstlight.errors import FirstlightError
 
 # Modules that define (and register) the built-in formats; imported on first lookup.
-_FORMAT_MODULES = ("firstlight.quant.int8", "firstlight.quant.int4", "firstlight.quant.fp8", "firstlight.quant.w8a8")
+_FORMAT_MODULES = ("firstlight.quant.int8", "firstlight.quant.int4", "firstlight.quant.w4a8", "firstlight.quant.fp8", "firstlight.quant.w8a8")
 _FORMATS: dict[str, type[QuantFormat]] = {}
 
 

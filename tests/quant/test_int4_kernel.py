@@ -178,6 +178,16 @@ for m, n, kk, g in [(1, 24, 128, 32), (5, 16, 256, 64), (20, 8, 64, 32)]:
     ref = x.double() @ dequantize_groupwise_int4(q, s, z, g).double().t()
     err = (k.int4_mm(x, p, d, mins, g).double() - ref).abs().max().item()
     assert err < 1e-5 * ref.abs().max().item() + 1e-6, (m, n, kk, g, err)
+    ref8 = k.quantize_act_int8(x).double() @ dequantize_groupwise_int4(q, s, z, g).double().t()
+    err8 = (k.int4_mm_a8(x, p, d, mins, g).double() - ref8).abs().max().item()
+    assert err8 < 1e-5 * ref8.abs().max().item() + 1e-6, (m, n, kk, g, err8)
+    qi = torch.randint(-127, 128, (n, kk), dtype=torch.int8)
+    sc = torch.rand(n) + 0.5
+    for a8 in (False, True):
+        xx = k.quantize_act_int8(x).double() if a8 else x.double()
+        ref = xx @ (qi.double() * sc.double()[:, None]).t()
+        err = (k.int8_mm(x, qi, sc, a8).double() - ref).abs().max().item()
+        assert err < 1e-5 * ref.abs().max().item(), (m, n, kk, a8, err)
 print("ok")
 """
 

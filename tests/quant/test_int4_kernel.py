@@ -135,10 +135,12 @@ def test_build_failure_falls_back_with_one_warning_or_raises_when_required(mode,
         int4_kernel.load_kernel()
 
 
-def test_custom_op_is_one_node_under_compile_fullgraph(kernel_isa, mode):
+@pytest.mark.parametrize("fmt, op", [("int4", "firstlight.int4_mm"), ("int8", "firstlight.int8_mm"),
+                                     ("w4a8", "firstlight.int4_mm_a8")])
+def test_each_custom_op_is_one_node_under_compile_fullgraph(kernel_isa, mode, fmt, op):
     mode("auto")
     torch.manual_seed(3)
-    ql = get_format("int4", group_size=32).quantize_linear(nn.Linear(64, 48))
+    ql = get_format(fmt).quantize_linear(nn.Linear(64, 48))
     seen: list[str] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs):  # noqa: ANN001, ANN202
@@ -149,7 +151,7 @@ def test_custom_op_is_one_node_under_compile_fullgraph(kernel_isa, mode):
     x = torch.randn(1, 64)
     compiled = torch.compile(ql, backend=backend, fullgraph=True)
     assert torch.allclose(compiled(x), ql(x))
-    assert sum("firstlight.int4_mm" in s for s in seen) == 1, seen
+    assert sum(s.endswith(op) or f"{op}." in s for s in seen) == 1, seen
     torch._dynamo.reset()
 
 

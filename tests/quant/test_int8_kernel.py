@@ -77,19 +77,3 @@ def test_w4a8_tied_head_is_our_int8_kernel_with_float_activations(kernel_isa, mo
     x = torch.randn(2, head.in_features)
     ref = x @ head.dequantized_weight().t()
     assert torch.allclose(head(x), ref, atol=1e-5, rtol=1e-5)
-
-
-def test_int8_mm_is_one_node_under_compile_fullgraph(kernel_isa, mode):  # noqa: F811
-    mode("auto")
-    ql = get_format("int8").quantize_linear(nn.Linear(64, 48))
-    seen: list[str] = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs):  # noqa: ANN001, ANN202
-        seen.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
-        return gm.forward
-
-    torch._dynamo.reset()
-    x = torch.randn(1, 64)
-    assert torch.allclose(torch.compile(ql, backend=backend, fullgraph=True)(x), ql(x))
-    assert sum("firstlight.int8_mm" in s for s in seen) == 1, seen
-    torch._dynamo.reset()

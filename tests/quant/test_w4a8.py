@@ -93,21 +93,3 @@ def test_w4a8_refused_without_our_kernel(mode):  # noqa: F811
         fmt.kernel_path(torch.device("cpu"), torch.float32)
     with pytest.raises(QuantizationError, match="w4a8.*CPU only"):
         fmt.kernel_path(torch.device("cuda"), torch.bfloat16)
-
-
-def test_int4_mm_a8_is_one_node_under_compile_fullgraph(kernel_isa, mode):  # noqa: F811
-    mode("auto")
-    torch.manual_seed(3)
-    ql = get_format("w4a8").quantize_linear(nn.Linear(64, 48))
-    seen: list[str] = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs):  # noqa: ANN001, ANN202
-        seen.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
-        return gm.forward
-
-    torch._dynamo.reset()
-    x = torch.randn(1, 64)
-    compiled = torch.compile(ql, backend=backend, fullgraph=True)
-    assert torch.allclose(compiled(x), ql(x))
-    assert sum("firstlight.int4_mm_a8" in s for s in seen) == 1, seen
-    torch._dynamo.reset()

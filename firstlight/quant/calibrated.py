@@ -71,10 +71,10 @@ def calibration_token_ids(
 def _cache_key(model: nn.Module, qfmt: QuantFormat, names: Sequence[str], ids: Sequence[int]) -> str:
     h = hashlib.blake2b(digest_size=12)
     h.update(repr((CACHE_VERSION, qfmt.name, sorted(vars(qfmt).items()), GPTQ_OPTIONS, list(names))).encode())
-    w0 = model.get_submodule(names[0]).weight if names else None
-    layout = getattr(qfmt, "buffer_layout", None)  # formats whose saved buffers depend on the kernel
-    if layout is not None and w0 is not None and layout(w0.device):
-        h.update(layout(w0.device).encode())
+    buffer_layout = getattr(qfmt, "buffer_layout", None)  # formats whose saved buffers depend on the kernel
+    layout = buffer_layout(model.get_submodule(names[0]).weight.device) if buffer_layout and names else None
+    if layout:
+        h.update(layout.encode())
     h.update(torch.tensor(list(ids), dtype=torch.int64).numpy().tobytes())
     for n in names:
         w = model.get_submodule(n).weight.detach()

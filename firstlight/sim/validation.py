@@ -275,18 +275,13 @@ ROWS: list[Row] = [
       for c, itl in [(1, 18.58), (5, 21.83), (25, 38.75), (50, 59.73), (100, 92.91), (150, 92.86), (200, 93.06),
                      (250, 93.2)]],
     # ---- issue 14 item 9: Trainium2 (p50 latency, one request at a time) ---------------------------------------
-    Row("Llama-3.3-70B bf16, trn2.48xlarge (16 Trainium2, TP16), 10000 in / 1500 out, concurrency 1: TTFT p50",
-        "prefill", "ms", 575.7, NEURON_70B,
-        lambda: _single_stream_p50_ms("llama-3.1-70b", "trn2-48xl", 16, 10000, 1501, "ttft")),
-    Row("Llama-3.3-70B bf16, trn2.48xlarge (16 Trainium2, TP16), 10000 in / 1500 out, concurrency 1: ITL p50",
-        "decode", "ms", 19.83, NEURON_70B,
-        lambda: _single_stream_p50_ms("llama-3.1-70b", "trn2-48xl", 16, 10000, 1501, "tpot")),
-    Row("Llama-3.1-405B bf16, trn2.48xlarge (16 Trainium2, TP16), 10000 in / 1785 out, concurrency 1: TTFT p50",
-        "prefill", "ms", 2442.0, NEURON_405B,
-        lambda: _single_stream_p50_ms("llama-3.1-405b", "trn2-48xl", 16, 10000, 1785, "ttft")),
-    Row("Llama-3.1-405B bf16, trn2.48xlarge (16 Trainium2, TP16), 10000 in / 1785 out, concurrency 1: ITL p50",
-        "decode", "ms", 37.93, NEURON_405B,
-        lambda: _single_stream_p50_ms("llama-3.1-405b", "trn2-48xl", 16, 10000, 1785, "tpot")),
+    *[Row(f"{name} bf16, trn2.48xlarge (16 Trainium2, TP16), 10000 in / {out} out, concurrency 1: "
+          f"{'TTFT' if m == 'ttft' else 'ITL'} p50", "prefill" if m == "ttft" else "decode", "ms", ms, source,
+          (lambda model=model, osl=osl, m=m: _single_stream_p50_ms(model, "trn2-48xl", 16, 10000, osl, m)))
+      for name, model, out, osl, source, ttft, itl in [  # osl: the tokens the simulated request generates
+          ("Llama-3.3-70B", "llama-3.1-70b", 1500, 1501, NEURON_70B, 575.7, 19.83),
+          ("Llama-3.1-405B", "llama-3.1-405b", 1785, 1785, NEURON_405B, 2442.0, 37.93)]
+      for m, ms in (("ttft", ttft), ("tpot", itl))],
     # ---- Trainium (first generation): AWS's published latency table, batch 1, p50 ---------------------------------
     *[Row(f"Llama-3-70B bf16, trn1.32xlarge (16 Trainium, TP16), batch 1, {isl} in / {osl} out: {m.upper()} p50",
           "prefill" if m == "ttft" else "decode", "ms", ms, NEURON_TRN1,

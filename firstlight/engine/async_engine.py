@@ -1,7 +1,10 @@
 """AsyncLLM: the engine behind an asyncio API that streams, for the server.
 
 The engine loop is one asyncio task that runs `LLMEngine.step()` in a worker thread (so the event
-loop keeps serving HTTP while the model computes) and routes outputs to per-request queues.
+loop keeps serving HTTP while the model computes) and routes outputs to per-request queues. Every
+step runs on the same worker thread: torch's OpenMP pool belongs to the thread that enters a
+parallel region, so steps spread over asyncio's default executor would start a pool per thread, and
+the idle pools' spinning threads would take cores from the one computing (measured: docs/PERFORMANCE.md).
 New requests and aborts are applied between steps, on the loop thread, so the engine is only
 ever touched by one thread at a time.
 """
@@ -12,6 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from firstlight.engine.engine import LLMEngine, RequestOutput
@@ -29,6 +33,7 @@ class AsyncLLM:
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._stepping = False
+        self._stepper: ThreadPoolExecutor | None = None  # the one thread every step runs on
         self._next_id = 0
         self.errored: BaseException | None = None
 
@@ -44,9 +49,15 @@ class AsyncLLM:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._loop_task
             self._loop_task = None
+        if self._stepper is not None:
+            self._stepper.shutdown(wait=True)
+            self._stepper = None
 
     async def _run(self) -> None:
         assert self._wakeup is not None
+        if self._stepper is None:
+            self._stepper = ThreadPoolExecutor(1, thread_name_prefix="firstlight-engine")
+        loop = asyncio.get_running_loop()
         while True:
             self._apply_pending()
             if not self.engine.has_unfinished() and not self._pending_adds and not self._pending_calls:
@@ -55,7 +66,7 @@ class AsyncLLM:
                 continue
             self._stepping = True
             try:
-                outputs = await asyncio.to_thread(self.engine.step)
+                outputs = await loop.run_in_executor(self._stepper, self.engine.step)
             except Exception as e:  # a model failure ends every request with the error
                 self.errored = e
                 for q in self._queues.values():

@@ -26,7 +26,7 @@ CLASSES = (  # first match wins; names are aten / quantized op names as the prof
     ("matmul: int4 packed", ("_weight_int4pack_mm", "firstlight::int4_mm")),  # and int4_mm_a8
     ("matmul: int8 packed", ("_weight_int8pack_mm", "firstlight::int8_mm")),
     ("matmul: fbgemm int8", ("quantized::linear",)),
-    ("matmul: fp32/bf16", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")),
+    ("matmul: fp32/bf16", ("firstlight::f32_mm", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")),
     ("attention (SDPA)", ("scaled_dot_product", "_flash_attention", "_efficient_attention")),
     ("KV gather/scatter", ("index_select", "index_copy", "aten::gather", "aten::index")),
     ("compiled graph (inductor kernels)", ("CompiledFxGraph", "CompiledFunction", "Torch-Compiled Region",

@@ -14,13 +14,16 @@ from firstlight.engine.request import SamplingParams
 def load(
     name_or_path: str | Path, dtype: str = "float32", quantization: str | None = None
 ) -> tuple[torch.nn.Module, Any]:
-    """(model, tokenizer) for a model name (`firstlight models list`) or a checkpoint dir."""
+    """(model, tokenizer) for a model name (`firstlight models list`) or a checkpoint dir; the fp32 linears
+    left after quantization (all of them without one) run decode-sized batches on firstlight::f32_mm."""
     from firstlight.models.hub import resolve
     from firstlight.models.loader import load_model
     from firstlight.quant import apply_quantization
+    from firstlight.quant.f32 import use_f32_kernel
 
     model, tokenizer = load_model(resolve(str(name_or_path)), dtype=dtype)
     apply_quantization(model, quantization, tokenizer=tokenizer)
+    use_f32_kernel(model)
     return model, tokenizer
 
 

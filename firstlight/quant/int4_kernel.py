@@ -1,6 +1,7 @@
-"""firstlight's own int4 CPU matmul (kernels/int4_gemv.cpp), built once per machine at first use.
+"""firstlight's own CPU matmuls (kernels/int4_gemv.cpp: int4 and int8 weights; kernels/f32_gemm.cpp: fp32
+weights at decode-sized batches), built once per machine at first use.
 
-`torch.utils.cpp_extension.load` compiles the shipped .cpp into `$FIRSTLIGHT_HOME/kernels/<name>`
+`torch.utils.cpp_extension.load` compiles the shipped .cpp files into `$FIRSTLIGHT_HOME/kernels/<name>`
 (-O3, plus -mavx2 -mfma when torch reports an AVX2 CPU) and loads it as the torch ops
 `firstlight::int4_mm` / `firstlight::int4_dequant` (registered in C++ with TORCH_LIBRARY, so an eager call
 costs one dispatcher hop, not a Python one; `register_fake` here gives torch.compile their shapes, so a
@@ -26,12 +27,15 @@ ENV = "FIRSTLIGHT_INT4_KERNEL"
 ISA_ENV = "FIRSTLIGHT_INT4_ISA"  # `scalar` builds the portable path on an AVX2 machine (its tests)
 MODES = ("auto", "aten", "firstlight")
 SOURCE = Path(__file__).parent / "kernels" / "int4_gemv.cpp"
+SOURCES = (SOURCE, SOURCE.with_name("f32_gemm.cpp"))
 BLOCK = 32  # input channels per 16-byte block of nibbles
 # Above this many activation rows, int4_mm dequantizes once and calls at::mm (benchmarks/int4_kernel.py).
 MAX_TILED_M = 16
 # int8_mm: dequantizing int8 costs more per weight, so its tiles pay until ~64 rows (the head, 49152 x 576:
 # tiled 39 / 89 / 160 ms vs dequantize + mm 64 / 89 / 121 ms at M = 32 / 64 / 128, 1 thread)
 INT8_MAX_TILED_M = 64
+# f32_mm: up to this many rows our tiles beat the BLAS on cold weights (benchmarks/f32_gemm.py); above, at::mm
+F32_MAX_TILED_M = 32
 
 _state: dict[str, object] = {}
 _fakes: list[bool] = []  # register_fake once per process, however often the load is re-decided
@@ -63,13 +67,13 @@ def _build() -> str:
     if _loaded:
         return _loaded[0]
     flags = ["-O3", "-mavx2", "-mfma"] if isa == "avx2" else ["-O3"]
-    tag = hashlib.sha256((SOURCE.read_text() + " ".join(flags)).encode()).hexdigest()[:10]
+    tag = hashlib.sha256(("".join(p.read_text() for p in SOURCES) + " ".join(flags)).encode()).hexdigest()[:10]
     torch_tag = re.sub(r"[^0-9A-Za-z]+", "_", torch.__version__)
     name = f"firstlight_int4_{isa}_{tag}"
     build_dir = firstlight_home() / "kernels" / f"{name}_torch{torch_tag}"
     build_dir.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
-        name=name, sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(build_dir),
+        name=name, sources=[str(p) for p in SOURCES], extra_cflags=flags, build_directory=str(build_dir),
         is_python_module=False, verbose=False,
     )
     _loaded.append(isa)
@@ -91,6 +95,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("firstlight::int8_mm")
     def _(x, qweight, scales, act_int8, max_tiled_m):  # noqa: ANN001, ANN202
         return x.new_empty((x.shape[0], qweight.shape[0]), dtype=torch.float32)
+
+    @torch.library.register_fake("firstlight::f32_mm")
+    def _(x, w, bias, max_tiled_m):  # noqa: ANN001, ANN202
+        return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
 
     @torch.library.register_fake("firstlight::int4_dequant")
     def _(packed, scales, mins, group_size):  # noqa: ANN001, ANN202
@@ -160,6 +168,11 @@ def int8_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, act_in
     """Per-row int8 weight (aten._weight_int8pack_mm's layout: q int8 [N, K], scales [N]; K % 32 == 0) times
     x [M, K] -> fp32 [M, N]; with act_int8, x is first rounded as quantize_act_int8."""
     return torch.ops.firstlight.int8_mm(x, qweight, scales, act_int8, INT8_MAX_TILED_M)
+
+
+def f32_mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T + bias in fp32 (nn.Linear's layout): our tiles up to F32_MAX_TILED_M rows, at::mm above."""
+    return torch.ops.firstlight.f32_mm(x, w, bias, F32_MAX_TILED_M)
 
 
 def quantize_act_int8(x: torch.Tensor) -> torch.Tensor:

@@ -190,6 +190,11 @@ for m, n, kk, g in [(1, 24, 128, 32), (5, 16, 256, 64), (20, 8, 64, 32)]:
         ref = xx @ (qi.double() * sc.double()[:, None]).t()
         err = (k.int8_mm(x, qi, sc, a8).double() - ref).abs().max().item()
         assert err < 1e-5 * ref.abs().max().item(), (m, n, kk, a8, err)
+    w32, b32 = torch.randn(n + 3, kk + 5), torch.randn(n + 3)
+    x32 = torch.randn(m, kk + 5)
+    ref = x32.double() @ w32.double().t() + b32.double()
+    err = (k.f32_mm(x32, w32, b32).double() - ref).abs().max().item()
+    assert err < 1e-5 * ref.abs().max().item(), (m, n, kk, err)
 print("ok")
 """
 

@@ -1,0 +1,70 @@
+"""fp32 linears at decode-sized batches: firstlight::f32_mm (quant/kernels/f32_gemm.cpp) vs torch's
+F.linear (the BLAS torch ships: MKL here) over one decode step's weights of SmolLM2-135M (30 layers x
+qkv/o/gate_up/down, then the tied 49152 x 576 head), cold: each weight is used once per pass, as in a
+decode step, so it streams from memory.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/f32_gemm.py --threads 2
+    PYTHONPATH=. .venv/bin/python benchmarks/f32_gemm.py --threads 1 --ms 1,2,4,8,16,32,64
+
+Per M: the median over --repeats rounds of one pass each (ours and torch's alternate inside a round, so
+load from other processes hits both). Bound of a pass: max(weight bytes / read bandwidth, FLOPs / GEMM
+rate), both measured in this run: the read bandwidth is a sum over a 256 MiB tensor, the GEMM rate torch.mm
+at [1024, 1024] x [1024, 1024] (hot, near the FMA peak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+from _common import gemm_gflops, median_time
+
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (N, K) of one SmolLM2-135M layer
+LAYERS, HEAD = 30, (49152, 576)
+
+
+def read_bandwidth_gbs(num_bytes: int = 256 << 20) -> float:
+    a = torch.empty(num_bytes // 4).normal_()
+    return num_bytes / median_time(lambda: a.sum(), 5) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ms", default="1,2,4,8,16,32,64")
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from firstlight.quant import int4_kernel
+
+    if int4_kernel.load_kernel() is None:
+        raise SystemExit("firstlight's kernel extension is not in use here (FIRSTLIGHT_INT4_KERNEL / build)")
+    torch.manual_seed(0)
+    weights = [torch.randn(n, k) * 0.02 for _ in range(LAYERS) for n, k in SHAPES] + [torch.randn(*HEAD) * 0.02]
+    wbytes = sum(w.numel() * 4 for w in weights)
+    bw, peak = read_bandwidth_gbs(), gemm_gflops(1024, 1024, 1024)
+    print(f"{args.threads} thread(s); one pass = {len(weights)} linears, {wbytes / 1e6:.0f} MB fp32 weights; "
+          f"read bandwidth {bw:.1f} GB/s, GEMM {peak:.0f} GFLOP/s; load average "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
+    print(f"{'M':>4} | {'torch F.linear ms':>17} | {'ours ms':>8} | {'bound ms':>8} | speedup | ours GFLOP/s | ours GB/s")
+    for m in (int(s) for s in args.ms.split(",")):
+        xs = [torch.randn(m, w.shape[1]) for w in weights]
+        flops = sum(2 * m * w.numel() for w in weights)
+        t_ref, t_ours = [], []
+        for _ in range(args.repeats):
+            for fn, out in ((lambda x, w: torch.nn.functional.linear(x, w), t_ref), (int4_kernel.f32_mm, t_ours)):
+                t0 = time.perf_counter()
+                for x, w in zip(xs, weights, strict=True):
+                    fn(x, w)
+                out.append(time.perf_counter() - t0)
+        ref, ours = statistics.median(t_ref), statistics.median(t_ours)
+        bound = max(wbytes / bw / 1e9, flops / peak / 1e9)
+        print(f"{m:>4} | {1e3 * ref:>17.1f} | {1e3 * ours:>8.1f} | {1e3 * bound:>8.1f} | {ref / ours:>6.2f}x | "
+              f"{flops / ours / 1e9:>11.1f} | {wbytes / ours / 1e9:>9.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+// firstlight fp32 matmul for the few activation rows of a decode step on CPU:
+//   y[M, N] = x[M, K] @ w[N, K]^T (+ bias), w in nn.Linear's own [N, K] layout, read in place.
+//
+// Why: at M = 2..32 a BLAS sgemm packs the weight into its panel layout on every call, so a decode step
+// of a dense fp32 model reads and writes every weight twice more than it multiplies (SmolLM2-135M's 30
+// layers, cold weights, 2 threads: MKL 9 GFLOP/s at M = 4, 28 at M = 8, against a copy-bandwidth bound
+// above 50; benchmarks/f32_gemm.py). Here each weight row streams from memory once per call and stays in
+// L1 while every activation row uses it.
+//
+// Micro-kernel: 4 output rows x MR (<= 3) activation rows, 4 * MR accumulators of 8 lanes along K (one
+// x load and one weight load feed several FMAs), the four sums of a row reduced with one transpose-add.
+// Threads: at::parallel_for over blocks of 4 output rows. Scalar path without AVX2. Above max_tiled_m
+// rows it is at::addmm / at::mm (prefill: the BLAS's packing pays for itself there).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kNR = 4;  // output rows per micro-kernel
+
+#ifdef __AVX2__
+// [sum(a0), sum(a1), sum(a2), sum(a3)]
+inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// y[r, 0..3] for r < MR: four weight rows (w, stride K) against MR activation rows (x, stride ldx).
+template <int MR>
+void tile_avx2(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy, const float* pf) {
+  // named accumulators (an array indexed in loops is kept in memory by GCC: one store per FMA)
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
+         a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+  const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx;
+  const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
+  const int64_t K8 = K & ~int64_t{7};
+  for (int64_t k = 0; k < K8; k += 8) {
+    if (pf != nullptr && (k & 15) == 0)  // the next block's four rows, one cache line each per two steps
+      for (int n = 0; n < kNR; ++n) _mm_prefetch(reinterpret_cast<const char*>(pf + n * K + k), _MM_HINT_T0);
+    const __m256 v0 = _mm256_loadu_ps(x0 + k);
+    const __m256 v1 = MR > 1 ? _mm256_loadu_ps(x1 + k) : v0;
+    const __m256 v2 = MR > 2 ? _mm256_loadu_ps(x2 + k) : v0;
+    __m256 wv = _mm256_loadu_ps(w0 + k);
+    a00 = _mm256_fmadd_ps(v0, wv, a00);
+    if (MR > 1) a10 = _mm256_fmadd_ps(v1, wv, a10);
+    if (MR > 2) a20 = _mm256_fmadd_ps(v2, wv, a20);
+    wv = _mm256_loadu_ps(w1 + k);
+    a01 = _mm256_fmadd_ps(v0, wv, a01);
+    if (MR > 1) a11 = _mm256_fmadd_ps(v1, wv, a11);
+    if (MR > 2) a21 = _mm256_fmadd_ps(v2, wv, a21);
+    wv = _mm256_loadu_ps(w2 + k);
+    a02 = _mm256_fmadd_ps(v0, wv, a02);
+    if (MR > 1) a12 = _mm256_fmadd_ps(v1, wv, a12);
+    if (MR > 2) a22 = _mm256_fmadd_ps(v2, wv, a22);
+    wv = _mm256_loadu_ps(w3 + k);
+    a03 = _mm256_fmadd_ps(v0, wv, a03);
+    if (MR > 1) a13 = _mm256_fmadd_ps(v1, wv, a13);
+    if (MR > 2) a23 = _mm256_fmadd_ps(v2, wv, a23);
+  }
+  const __m128 sums[3] = {hsum4(a00, a01, a02, a03), hsum4(a10, a11, a12, a13), hsum4(a20, a21, a22, a23)};
+  for (int r = 0; r < MR; ++r) {
+    alignas(16) float s[kNR];
+    _mm_store_ps(s, sums[r]);
+    for (int64_t k = K8; k < K; ++k)
+      for (int n = 0; n < kNR; ++n) s[n] += x[r * ldx + k] * w[n * K + k];
+    for (int n = 0; n < kNR; ++n) y[r * ldy + n] = s[n];
+  }
+}
+#endif
+
+// Portable path, and the last N % 4 output rows: one output row against MR activation rows.
+template <int MR>
+void tile_scalar(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy, int64_t nr) {
+  for (int64_t n = 0; n < nr; ++n)
+    for (int r = 0; r < MR; ++r) {
+      float s = 0.f;
+      for (int64_t k = 0; k < K; ++k) s += x[r * ldx + k] * w[n * K + k];
+      y[r * ldy + n] = s;
+    }
+}
+
+template <int MR>
+void tile(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy, int64_t nr,
+          const float* pf = nullptr) {
+#ifdef __AVX2__
+  if (nr == kNR) return tile_avx2<MR>(x, ldx, w, K, y, ldy, pf);
+#endif
+  tile_scalar<MR>(x, ldx, w, K, y, ldy, nr);
+}
+
+}  // namespace
+
+at::Tensor f32_mm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                  int64_t max_tiled_m) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous(),
+              "firstlight::f32_mm w must be contiguous fp32 [N, K], got ", w.scalar_type(), " ", w.sizes());
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "firstlight::f32_mm x must be [M, ", K, "], got ", x.sizes());
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0);
+  if (M > max_tiled_m)
+    return bias.has_value() ? at::addmm(bias->to(at::kFloat), xf, w.t()) : at::mm(xf, w.t());
+  at::Tensor y = at::empty({M, N}, xf.options());
+  if (M == 0) return y;
+  const float* xp = xf.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t nblocks = (N + kNR - 1) / kNR;
+  at::parallel_for(0, nblocks, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n = b * kNR, nr = std::min(kNR, N - n);
+      const float* wb = wp + n * K;
+      // the first activation tile streams the block from memory and prefetches the next block's rows
+      const float* pf = n + 2 * kNR <= N ? wb + kNR * K : nullptr;
+      const int64_t mr = M % 3 == 0 ? 3 : M % 3;
+      if (mr == 3) tile<3>(xp, K, wb, K, yp + n, N, nr, pf);
+      if (mr == 2) tile<2>(xp, K, wb, K, yp + n, N, nr, pf);
+      if (mr == 1) tile<1>(xp, K, wb, K, yp + n, N, nr, pf);
+      for (int64_t r = mr; r < M; r += 3) tile<3>(xp + r * K, K, wb, K, yp + r * N + n, N, nr);
+    }
+  });
+  if (bias.has_value()) y.add_(bias->to(at::kFloat));
+  return y;
+}
+
+TORCH_LIBRARY_FRAGMENT(firstlight, lib) {
+  lib.def("f32_mm(Tensor x, Tensor w, Tensor? bias, int max_tiled_m) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(firstlight, CPU, lib) {
+  lib.impl("f32_mm", &f32_mm);
+}

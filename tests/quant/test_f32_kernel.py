@@ -1,0 +1,85 @@
+"""firstlight::f32_mm (quant/kernels/f32_gemm.cpp): x @ w^T + bias in fp32 for every row count (tiles of 1-3
+rows x 4 output rows, the tails of N and K, the BLAS above the row limit), F32Linear as a drop-in nn.Linear
+(same parameters, tied head stays tied), off with the aten switch, one node under torch.compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from firstlight.models.loader import load_model
+from firstlight.quant import int4_kernel
+from firstlight.quant.f32 import F32Linear, use_f32_kernel
+
+from .test_int4_kernel import kernel_isa, mode  # noqa: F401 - fixtures
+
+
+@pytest.mark.parametrize("n,k", [(64, 128), (37, 96), (5, 44), (130, 576), (3, 8)])
+@pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 5, 7, 8, 17, 32, 33])  # 33 > F32_MAX_TILED_M: at::mm
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_f32_mm_equals_fp64_matmul(kernel_isa, m, n, k, with_bias):  # noqa: F811
+    torch.manual_seed(m * 1000 + n + k)
+    x, w = torch.randn(m, k), torch.randn(n, k)
+    b = torch.randn(n) if with_bias else None
+    ref = x.double() @ w.double().t() + (b.double() if with_bias else 0)
+    got = int4_kernel.f32_mm(x, w, b)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    if m:
+        # fp32 sums of k products: |error| <= ~k * eps * sum|x w|, far inside this bound
+        bound = 1e-5 * (x.double().abs() @ w.double().abs().t()).max().item() + 1e-6
+        assert (got.double() - ref).abs().max().item() < bound
+
+
+def test_f32_mm_takes_any_activation_layout_and_dtype(kernel_isa):  # noqa: F811
+    torch.manual_seed(0)
+    w = torch.randn(24, 64)
+    x = torch.randn(64, 6).t()  # not contiguous
+    assert torch.allclose(int4_kernel.f32_mm(x, w), x @ w.t(), atol=1e-5)
+    xb = torch.randn(3, 64).bfloat16()
+    assert torch.allclose(int4_kernel.f32_mm(xb, w), xb.float() @ w.t(), atol=1e-5)
+    with pytest.raises(RuntimeError, match="contiguous fp32"):
+        int4_kernel.f32_mm(torch.randn(2, 64), w.t().contiguous().t())
+
+
+def test_use_f32_kernel_swaps_plain_fp32_linears_in_place(kernel_isa, mode, tiny_dirs):  # noqa: F811
+    mode("auto")
+    model, _ = load_model(tiny_dirs["llama"])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(0, model.config.vocab_size, (2, 5))
+    ref = model(ids)
+    n_linear = sum(type(m) is nn.Linear for m in model.modules())
+    assert use_f32_kernel(model) == n_linear > 0
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert all(isinstance(m, F32Linear) for m in model.modules() if isinstance(m, nn.Linear))
+    assert model.state_dict().keys() == before.keys()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight is model.embed_tokens.weight
+    got = model(ids)  # rows = 2 x 5 = 10 tokens per linear: our tiles
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
+    assert use_f32_kernel(model) == 0  # nothing plain left
+
+
+def test_aten_mode_leaves_the_model_alone(kernel_isa, mode):  # noqa: F811
+    mode("aten")
+    model = nn.Sequential(nn.Linear(8, 4))
+    assert use_f32_kernel(model) == 0 and type(model[0]) is nn.Linear
+
+
+def test_f32_mm_is_one_node_under_compile_fullgraph(kernel_isa, mode):  # noqa: F811
+    mode("auto")
+    torch.manual_seed(3)
+    lin = nn.Linear(64, 48)
+    use_f32_kernel(lin)
+    seen: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):  # noqa: ANN001, ANN202
+        seen.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    x = torch.randn(2, 64)
+    assert torch.allclose(torch.compile(lin, backend=backend, fullgraph=True)(x), lin(x))
+    assert sum("firstlight.f32_mm" in s for s in seen) == 1, seen
+    torch._dynamo.reset()

@@ -14,6 +14,10 @@ Workloads (through `python -m firstlight.cli bench run`, streaming completions, 
   poisson   Poisson arrivals swept over --rates, lognormal prompt (median 128) and output (median 32)
             lengths (sigma 0.5), goodput at --slo
 
+Every run busts prefix caches (`--cache-bust`: a per-run nonce starts every prompt). Without it the runs
+share prompts (same seed), and a server with a prefix cache (firstlight's, on by default) prefills only
+the first time: the closed-loop figures of a second run were up to 1.6x the first's.
+
 Forcing the output length: firstlight gets `ignore_eos`; llama-cpp-python's server drops that field
 silently, so it gets `min_tokens` = max_tokens; `transformers serve` rejects it (422), so it gets
 `generation_config` with min_new_tokens = max_new_tokens (its completions endpoint reads that field).
@@ -182,6 +186,7 @@ def stop(proc: subprocess.Popen) -> None:
 def bench(server: Server, port: int, out: Path, tokenizer: str, bench_root: str, *extra: str) -> dict:
     cmd = [PY, "-m", "firstlight.cli", "bench", "run", "--url", f"http://127.0.0.1:{port}", "--model",
            server.model_name, "--tokenizer", tokenizer, "--out", str(out), "--no-plots", "--seed", "0",
+           "--cache-bust",  # a fresh nonce per run: no run reuses another's prompts from a prefix cache
            "--ignore-eos" if server.length_by == "ignore_eos" else "--no-ignore-eos", *extra]
     if server.extra_body:
         cmd += ["--extra-body", json.dumps(server.extra_body)]

@@ -48,6 +48,9 @@ class EngineConfig:
     # sliding-window layers keep only their window's blocks (free the rest; mixed models get a second
     # block pool for them, engine/kv_groups.py); False: every layer keeps every block, as before
     free_out_of_window: bool = True
+    # decode attention reads each row's keys in place in the pools (CPU, fp32 KV, our kernel extension:
+    # firstlight::paged_decode_attention); False: every layer gathers its keys and runs SDPA
+    paged_attention: bool = True
     seed: int = 0
     trace_path: str | Path | None = None
     speculative: SpecConfig | None = None  # a proposer (ngram, draft, heads, mtp) and its k; None = off
@@ -154,7 +157,7 @@ class LLMEngine:
             model, num_blocks, config.block_size, device, config.compile_decode,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len, num_state_slots=num_slots,
             kv_cache_dtype=config.kv_cache_dtype,
-            num_sliding_blocks=num_sliding_blocks,
+            num_sliding_blocks=num_sliding_blocks, paged_attention=config.paged_attention,
         )
         if num_slots:
             self.runner.state_slot_of = self.kv.slot_of.__getitem__  # type: ignore[attr-defined]

@@ -46,6 +46,7 @@ import torch
 from firstlight.core.batch import Batch, ScheduledSeq
 from firstlight.engine.request import Request
 from firstlight.models.states import state_shapes
+from firstlight.quant import int4_kernel
 from firstlight.quant.kv import KV_FORMATS, dequantize_kv, quantize_kv
 
 KV_CACHE_DTYPES = ("auto", *KV_FORMATS)
@@ -77,8 +78,10 @@ class PagedKVCache:
         scale_pools: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
         kv_format: str | None = None,
         dtype: torch.dtype = torch.float32,
+        paged_attention: bool = False,
     ) -> None:
         self.k_pools, self.v_pools = k_pools, v_pools
+        self.paged_attention = paged_attention and scale_pools is None  # see attend_decode
         self.state_pools = state_pools or {}  # layer -> (conv pool, recurrent pool), [slots, ...] each
         self.state_slots = state_slots  # [B] the slot of each row
         # a verify pass over speculative rows: recurrent layers also report the state after every
@@ -106,14 +109,20 @@ class PagedKVCache:
     def begin(self, positions: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
         return self.key_positions
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, num_kv_heads, seq, head_dim = k.shape  # k: [B, Hkv, S, D]
-        view = self._layer_views[layer]
-        k_pool, v_pool = self.k_pools[layer], self.v_pools[layer]  # [slots, Hkv, D]
+    def _new_rows(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [B, Hkv, S, D] -> the valid new tokens' [N, Hkv, D]."""
+        batch, num_kv_heads, seq, head_dim = k.shape
         k_new = k.transpose(1, 2).reshape(batch * seq, num_kv_heads, head_dim)
         v_new = v.transpose(1, 2).reshape(batch * seq, num_kv_heads, head_dim)
         if self.write_rows.numel() != batch * seq:
             k_new, v_new = k_new[self.write_rows], v_new[self.write_rows]
+        return k_new, v_new
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, num_kv_heads, seq, head_dim = k.shape  # k: [B, Hkv, S, D]
+        view = self._layer_views[layer]
+        k_pool, v_pool = self.k_pools[layer], self.v_pools[layer]  # [slots, Hkv, D]
+        k_new, v_new = self._new_rows(k, v)
         flat = self._layer_flat[layer]
         if self.scale_pools is not None:
             return self._update_quantized(layer, view, flat, k_new, v_new, num_kv_heads, head_dim)
@@ -123,6 +132,24 @@ class PagedKVCache:
         k_all = k_pool.index_select(0, flat).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
         v_all = v_pool.index_select(0, flat).view(shape).transpose(1, 2)
         return k_all, v_all
+
+    def attend_decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor | None, scale: float) -> torch.Tensor | None:
+        """One new token per row: store k, v [B, Hkv, 1, D] and attend q [B, H, 1, D] to each row's keys where
+        they lie in the pools (firstlight::paged_decode_attention: no gather) -> [B, H, 1, D]. None when this
+        cache does not (`paged_attention` off: quantized KV, not fp32 on CPU, no kernel); the caller then
+        gathers through `update` and runs SDPA. mask: the model's boolean [B, 1, 1, L] or None (all visible)."""
+        if not self.paged_attention:
+            return None
+        view = self._layer_views[layer]
+        k_new, v_new = self._new_rows(k, v)
+        self.k_pools[layer].index_copy_(0, view.write_slots, k_new)
+        self.v_pools[layer].index_copy_(0, view.write_slots, v_new)
+        batch, heads, _, head_dim = q.shape
+        out = int4_kernel.paged_decode_attention(
+            q.reshape(batch, heads, head_dim), self.k_pools[layer], self.v_pools[layer], view.gather_slots,
+            None if mask is None else mask.reshape(batch, -1), scale)
+        return out.view(batch, heads, 1, head_dim)
 
     def _update_quantized(
         self, layer: int, view: KVGroupView, flat: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -277,6 +304,7 @@ class ModelRunner:
         num_state_slots: int = 0,
         kv_cache_dtype: str = "auto",
         num_sliding_blocks: int | None = None,
+        paged_attention: bool = True,
     ) -> None:
         """num_sliding_blocks: the sliding-window layers get pools of their own with this many blocks,
         paged by the Batch's `sliding_block_ids` (engine/kv_groups.py); None: they share `block_ids`."""
@@ -306,6 +334,9 @@ class ModelRunner:
                 return (slots + 1, *tail)
             return [self._pool(shape(i), dtype) for i in range(cfg.num_layers)]
 
+        # decode attention over the pools in place (firstlight::paged_decode_attention), where it applies
+        self.paged_attention = (paged_attention and self.device.type == "cpu" and pool_dtype == torch.float32
+                                and int4_kernel.load_kernel() is not None)
         self.k_pools = kv_pools((cfg.num_kv_heads, cfg.head_dim), pool_dtype)
         self.v_pools = kv_pools((cfg.num_kv_heads, cfg.head_dim), pool_dtype)
         self.scale_pools: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
@@ -507,7 +538,8 @@ class ModelRunner:
         num_new = positions.numel()
         return PagedKVCache(self.k_pools, self.v_pools, views, self.model.config.layer_types,
                             torch.arange(num_new, device=dev), self.state_pools, state_slots,
-                            scale_pools=self.scale_pools, kv_format=self.kv_format, dtype=self.dtype)
+                            scale_pools=self.scale_pools, kv_format=self.kv_format, dtype=self.dtype,
+                            paged_attention=self.paged_attention)
 
     def _group_view(
         self, tables: list[tuple[int, ...]], context: torch.Tensor, computed: torch.Tensor, pos: torch.Tensor,

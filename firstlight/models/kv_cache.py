@@ -22,6 +22,11 @@ that slot holds no key. A cache that gathers different keys for different layer 
 paged cache gathers only the window for sliding-window layers) returns a dict {layer type: [B, L_t]}. The model builds its masks from (positions, key_positions, sliding window),
 so a cache is free to lay memory out as it likes: contiguous (below), or paged blocks gathered
 through a block table (the engine's cache).
+
+Optionally, for a decode pass (one new token per row), a cache may attend in place instead of returning
+gathered keys: `out = cache.attend_decode(layer, q, k, v, mask, scale)` stores k, v as `update` would and
+returns the attention output [B, H, 1, D] over the same keys under the model's mask, or None to decline
+(the model then calls `update` and runs SDPA). The engine's paged cache reads its pools in place.
 """
 
 from __future__ import annotations

@@ -224,12 +224,16 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v = cache.update(self.layer, k, v)  # k, v: [B, Hkv, L, D]
-        causal = isinstance(mask, str)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=None if causal else mask, is_causal=causal, scale=self.scale,
-            enable_gqa=self.num_kv_heads != self.num_heads,
-        )  # out: [B, H, S, D]
+        # decode: a cache that can attends in place over its own storage (engine/runner.py attend_decode)
+        attend = getattr(cache, "attend_decode", None) if seq == 1 and not isinstance(mask, str) else None
+        out = attend(self.layer, q, k, v, mask, self.scale) if attend is not None else None
+        if out is None:
+            k, v = cache.update(self.layer, k, v)  # k, v: [B, Hkv, L, D]
+            causal = isinstance(mask, str)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=None if causal else mask, is_causal=causal, scale=self.scale,
+                enable_gqa=self.num_kv_heads != self.num_heads,
+            )  # out: [B, H, S, D]
         out = out.transpose(1, 2).reshape(batch, seq, self.q_size)
         if gate is not None:
             out = out * torch.sigmoid(gate)

@@ -1,5 +1,6 @@
-"""firstlight's own CPU matmuls (kernels/int4_gemv.cpp: int4 and int8 weights; kernels/f32_gemm.cpp: fp32
-weights at decode-sized batches), built once per machine at first use.
+"""firstlight's own CPU kernels (kernels/int4_gemv.cpp: int4 and int8 weights; kernels/f32_gemm.cpp: fp32
+weights at decode-sized batches; kernels/paged_attention.cpp: decode attention over the paged KV pools), built
+once per machine at first use.
 
 `torch.utils.cpp_extension.load` compiles the shipped .cpp files into `$FIRSTLIGHT_HOME/kernels/<name>`
 (-O3, plus -mavx2 -mfma when torch reports an AVX2 CPU) and loads it as the torch ops
@@ -27,7 +28,7 @@ ENV = "FIRSTLIGHT_INT4_KERNEL"
 ISA_ENV = "FIRSTLIGHT_INT4_ISA"  # `scalar` builds the portable path on an AVX2 machine (its tests)
 MODES = ("auto", "aten", "firstlight")
 SOURCE = Path(__file__).parent / "kernels" / "int4_gemv.cpp"
-SOURCES = (SOURCE, SOURCE.with_name("f32_gemm.cpp"))
+SOURCES = (SOURCE, SOURCE.with_name("f32_gemm.cpp"), SOURCE.with_name("paged_attention.cpp"))
 BLOCK = 32  # input channels per 16-byte block of nibbles
 # Above this many activation rows, int4_mm dequantizes once and calls at::mm (benchmarks/int4_kernel.py).
 MAX_TILED_M = 16
@@ -99,6 +100,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("firstlight::f32_mm")
     def _(x, w, bias, max_tiled_m):  # noqa: ANN001, ANN202
         return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+
+    @torch.library.register_fake("firstlight::paged_decode_attention")
+    def _(q, k_pool, v_pool, slots, mask, scale):  # noqa: ANN001, ANN202
+        return q.new_empty(q.shape)
 
     @torch.library.register_fake("firstlight::int4_dequant")
     def _(packed, scales, mins, group_size):  # noqa: ANN001, ANN202
@@ -173,6 +178,13 @@ def int8_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, act_in
 def f32_mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T + bias in fp32 (nn.Linear's layout): our tiles up to F32_MAX_TILED_M rows, at::mm above."""
     return torch.ops.firstlight.f32_mm(x, w, bias, F32_MAX_TILED_M)
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+                           mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """One query token per row, q [B, H, D], over its keys in place: pools [slots, Hkv, D], slots [B, L] (the
+    row's key slots), mask [B, L] (True = visible; None = all) -> [B, H, D] (zeros for a row that sees none)."""
+    return torch.ops.firstlight.paged_decode_attention(q, k_pool, v_pool, slots, mask, scale)
 
 
 def quantize_act_int8(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,90 @@
+"""Decode attention over the paged pools in place (firstlight::paged_decode_attention, engine/runner.py
+attend_decode): equal to gather + SDPA for every head grouping, head size, mask and padding; the engine's
+tokens and logits the same with it on or off; declined where it does not apply (quantized KV)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from firstlight.engine.engine import EngineConfig, LLMEngine
+from firstlight.engine.request import SamplingParams
+from firstlight.quant import int4_kernel
+
+from ..quant.test_int4_kernel import kernel_isa  # noqa: F401 - fixture
+from .test_engine import GREEDY, prompts, run_staggered
+
+
+def _reference(q, k_pool, v_pool, slots, mask, scale):  # noqa: ANN001, ANN202
+    b, h, d = q.shape
+    hkv = k_pool.shape[1]
+    k = k_pool[slots].transpose(1, 2).double()  # [B, Hkv, L, D]
+    v = v_pool[slots].transpose(1, 2).double()
+    m = None if mask is None else mask[:, None, None, :]
+    out = F.scaled_dot_product_attention(q[:, :, None].double(), k, v, attn_mask=m, scale=scale,
+                                         enable_gqa=hkv != h)[:, :, 0]
+    return out.float()
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (8, 1, 72), (16, 2, 20), (6, 3, 128)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_equals_gather_and_sdpa(kernel_isa, heads, kv_heads, head_dim, masked):  # noqa: F811
+    torch.manual_seed(heads * 100 + head_dim)
+    batch, keys, nslots = 5, 37, 400
+    k_pool, v_pool = torch.randn(nslots, kv_heads, head_dim), torch.randn(nslots, kv_heads, head_dim)
+    slots = torch.stack([torch.randperm(nslots)[:keys] for _ in range(batch)])
+    q = torch.randn(batch, heads, head_dim)
+    mask = torch.rand(batch, keys) < 0.7 if masked else None
+    if masked:
+        mask[:, 0] = True  # every row sees one key at least (a row that sees none: next test)
+    got = int4_kernel.paged_decode_attention(q, k_pool, v_pool, slots, mask, head_dim ** -0.5)
+    ref = _reference(q, k_pool, v_pool, slots, mask, head_dim ** -0.5)
+    assert got.shape == q.shape
+    assert torch.allclose(got, ref, atol=2e-6, rtol=1e-5), (got - ref).abs().max()
+
+
+def test_a_row_that_sees_no_key_gets_zeros(kernel_isa):  # noqa: F811
+    torch.manual_seed(0)
+    k_pool = v_pool = torch.randn(50, 2, 16)
+    slots = torch.randint(0, 50, (3, 8))
+    mask = torch.ones(3, 8, dtype=torch.bool)
+    mask[1] = False
+    out = int4_kernel.paged_decode_attention(torch.randn(3, 4, 16), k_pool, v_pool, slots, mask, 0.25)
+    assert torch.isfinite(out).all() and out[1].abs().max() == 0 and out[0].abs().max() > 0
+
+
+def test_rejects_mismatched_shapes(kernel_isa):  # noqa: F811
+    pool = torch.randn(10, 3, 16)
+    with pytest.raises(RuntimeError, match="does not match pools"):
+        int4_kernel.paged_decode_attention(torch.randn(2, 4, 16), pool, pool, torch.zeros(2, 3, dtype=torch.long),
+                                           None, 1.0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_engine_tokens_and_logprobs_same_with_and_without(kernel_isa, family, tmp_path):  # noqa: F811
+    """Staggered prompts (decode rows of different lengths, padded keys), sliding-window layers (gemma3)."""
+    from firstlight.models.loader import load_model
+    from firstlight.models.tiny import write_tiny_checkpoint
+
+    model, tok = load_model(write_tiny_checkpoint(tmp_path / family, family=family, seed=1))
+    ps = prompts(6, seed=3)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
+    outs = {}
+    for paged in (True, False):
+        engine = LLMEngine(model, tok, EngineConfig(block_size=4, num_blocks=128, max_num_batched_tokens=16,
+                                                    paged_attention=paged))
+        assert engine.runner.paged_attention is paged
+        outs[paged] = run_staggered(engine, ps, params)
+    for i in range(len(ps)):
+        assert outs[True][i].output_token_ids == outs[False][i].output_token_ids
+        lp_on = [lp.logprob for lp in outs[True][i].logprobs]
+        assert lp_on == pytest.approx([lp.logprob for lp in outs[False][i].logprobs], abs=1e-4)
+
+
+def test_quantized_kv_declines_and_still_decodes(kernel_isa, tiny):  # noqa: F811
+    model, tok = tiny
+    engine = LLMEngine(model, tok, EngineConfig(block_size=4, num_blocks=64, kv_cache_dtype="int8"))
+    assert engine.runner.paged_attention is False  # int8 pools: the gather path dequantizes
+    done = run_staggered(engine, prompts(2), GREEDY)
+    assert all(len(o.output_token_ids) == 10 for o in done.values())

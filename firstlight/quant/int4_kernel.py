@@ -30,11 +30,14 @@ MODES = ("auto", "aten", "firstlight")
 SOURCE = Path(__file__).parent / "kernels" / "int4_gemv.cpp"
 SOURCES = (SOURCE, SOURCE.with_name("f32_gemm.cpp"), SOURCE.with_name("paged_attention.cpp"))
 BLOCK = 32  # input channels per 16-byte block of nibbles
-# Above this many activation rows, int4_mm dequantizes once and calls at::mm (benchmarks/int4_kernel.py).
-MAX_TILED_M = 16
-# int8_mm: dequantizing int8 costs more per weight, so its tiles pay until ~64 rows (the head, 49152 x 576:
-# tiled 39 / 89 / 160 ms vs dequantize + mm 64 / 89 / 121 ms at M = 32 / 64 / 128, 1 thread)
-INT8_MAX_TILED_M = 64
+# Above this many activation rows, int4_mm dequantizes slabs and calls at::mm; up to it, the dequantized-panel
+# tiles (M >= 6) beat that by ~1.1x even at M = 128 on SmolLM2's shapes, 1 thread (docs/PERFORMANCE.md,
+# benchmarks/int4_kernel.py). int4_mm_a8's own tiles (int8 activations) keep the earlier 16.
+MAX_TILED_M = 128
+A8_MAX_TILED_M = 16
+# int8_mm: the register tiles (fp32 activations) beat dequantize + mm up to at least 128 rows (the head, 49152 x
+# 576, 1 thread: 86 / 111 ms vs 106 / 142 ms at M = 96 / 128)
+INT8_MAX_TILED_M = 128
 # f32_mm: up to this many rows our tiles beat the BLAS on cold weights (benchmarks/f32_gemm.py); above, at::mm
 F32_MAX_TILED_M = 32
 
@@ -166,7 +169,7 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.Ten
 def int4_mm_a8(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group_size: int) -> torch.Tensor:
     """x [M, K] -> fp32 [M, N] = W~ x^, x^ = x rounded to int8 per block of 32 (quantize_act_int8): integer dot
     products per block, as llama.cpp's Q4_1 x Q8_1."""
-    return torch.ops.firstlight.int4_mm_a8(x, packed, d, m, group_size, MAX_TILED_M)
+    return torch.ops.firstlight.int4_mm_a8(x, packed, d, m, group_size, A8_MAX_TILED_M)
 
 
 def int8_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, act_int8: bool = False) -> torch.Tensor:

@@ -50,8 +50,12 @@ def _case(n: int, k: int, g: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
     return quantize_groupwise_int4(w, g, param_dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("n,k,g", [(64, 128, 32), (40, 96, 32), (19, 256, 64), (7, 256, 128), (24, 512, 256)])
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 17, 64])
+# K = 2112 / 4096: the M >= 6 panel path splits K in 2 / 3 chunks of whole groups (the last one shorter)
+@pytest.mark.parametrize("n,k,g", [(64, 128, 32), (40, 96, 32), (19, 256, 64), (7, 256, 128), (24, 512, 256),
+                                   (50, 2112, 64), (29, 4096, 256)])
+# 2..5: per-row register tiles; 6..: the panel, M split in tiles of 3-4 rows (6 = 3 + 3, 7 = 4 + 3,
+# 9 = 3 + 3 + 3, 10 = 4 + 3 + 3, 11 = 4 + 4 + 3); 140 > MAX_TILED_M: dequantize + mm
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 8, 9, 10, 11, 17, 64, 140])
 def test_int4_mm_equals_fp32_dequantized_matmul(kernel_isa, m, n, k, g):
     q, scale, zero = _case(n, k, g)
     packed, d, mins = int4_kernel.pack_int4(q, scale, zero, g)

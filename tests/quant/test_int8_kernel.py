@@ -25,7 +25,9 @@ def _case(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 @pytest.mark.parametrize("n,k", [(64, 128), (37, 96), (5, 32), (130, 576)])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 17, 40, 70])  # 70 > INT8_MAX_TILED_M: dequantize + mm
+# 2..: register tiles of up to 4 activation rows (M split evenly: 17 = 4 + 4 + 3 + 3 + 3); 130 > INT8_MAX_TILED_M:
+# dequantize + mm
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 17, 40, 70, 130])
 def test_int8_mm_float_and_int8_activations(kernel_isa, m, n, k):  # noqa: F811
     q, scale, w = _case(n, k)
     x = torch.randn(m, k)

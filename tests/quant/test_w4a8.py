@@ -65,7 +65,7 @@ def test_int4_mm_a8_is_the_product_with_rounded_activations(kernel_isa, m, n, k,
 
 def test_int4_mm_a8_large_m_matches_tiled(kernel_isa):  # noqa: F811
     (packed, d, mins), _ = _case(48, 128, 32)
-    x = _acts(int4_kernel.MAX_TILED_M + 5, 128)
+    x = _acts(int4_kernel.A8_MAX_TILED_M + 5, 128)
     y = int4_kernel.int4_mm_a8(x, packed, d, mins, 32)
     tiled = torch.cat([int4_kernel.int4_mm_a8(x[i:i + 4], packed, d, mins, 32) for i in range(0, len(x), 4)])
     assert torch.allclose(y, tiled, rtol=1e-5, atol=1e-5)

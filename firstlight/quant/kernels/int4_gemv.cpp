@@ -6,8 +6,14 @@
 //   d, m   fp32  [N, K/G]: per group of G (a multiple of 32) input channels, w = fma(q, d, m), q in 0..15
 //                          (d = scale, m = zero - 8 * scale of the tinygemm form).
 // AVX2 + FMA path under __AVX2__, a scalar path otherwise; both compute each weight as fmaf(q, d, m).
-// Each unpacked weight block is reused across a tile of up to 8 activation rows. Threads: at::parallel_for
-// over output rows. Large M: dequantize once (same fma) and at::mm.
+// M = 1: row_avx2_m1. 2 <= M <= 5: each block unpacked in registers once per output row and reused by a tile
+// of up to 8 activation rows (rows_avx2). 6 <= M <= max_tiled_m (128 from Python): int4_mm_panel, the
+// weights of 24 output rows dequantized once into an L2-resident fp32 panel, then register tiles of 3 output
+// rows x 3-4 activation rows (12 accumulators; each x load feeds 3 fmas, each weight load 4). int8_mm, M >= 2:
+// register tiles of NR x MR straight from the int8 rows (no dequantization fma to amortize) with software
+// prefetch. Figures (benchmarks/int4_kernel.py --threads 1, 1 thread, same-run vs the earlier per-row tiles):
+// int4 M = 8: 1.0-1.3x, M = 16-32: 1.1-1.5x (48-61 GFLOP/s; ~70 peak); int8 M = 2-64: 1.2-1.5x (50-65 GFLOP/s).
+// Threads: at::parallel_for over output rows. Larger M: dequantize slabs (same fma) and at::mm.
 // Also: int4_mm_a8 (int8 activations per block of 32, integer dot products: the w4a8 format) and int8_mm
 // (per-row int8 weights, aten._weight_int8pack_mm's layout: the int8 linears and tied LM head on CPU).
 
@@ -18,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -132,6 +139,174 @@ void row_avx2_m1(const float* xt, const float* xs, const uint8_t* wq, const floa
   int64_t n = n0;
   for (; n + 4 <= n1; n += 4) rows_avx2_m1<4>(xt, xs, wq, d, m, K, G, y, n);
   for (; n < n1; ++n) rows_avx2_m1<1>(xt, xs, wq, d, m, K, G, y, n);
+}
+
+// ---- Batched decode, 6 <= M <= max_tiled_m (kPanelMinM): per chunk of kTileRows output rows (and K chunk),
+// the weights are dequantized once (the same fma(q, d, m) per weight) into a per-thread fp32 panel that stays
+// in L2, and every activation row reads it there: the unpack is paid once per weight, not once per weight and
+// M tile. The panel times x runs register tiles of NR output rows x MR activation rows (NR * MR accumulators
+// of 8 lanes along K, reduced at the end): per 8 channels NR panel loads and MR x loads feed NR * MR fmas.
+// Below kPanelMinM rows the panel's store and reload (~1.2-1.6 cycles per 8 weights) cost more than
+// unpacking in registers per row (rows_avx2, tiles of up to 8 activation rows).
+
+// Sums of the accumulators acc[i], i < C, into out[i].
+template <int C>
+inline void hsums(const __m256* acc, float* out) {
+  int i = 0;
+  for (; i + 4 <= C; i += 4) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[i], acc[i + 1]), _mm256_hadd_ps(acc[i + 2], acc[i + 3]));
+    _mm_storeu_ps(out + i, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  }
+  for (; i < C; ++i) out[i] = hsum(acc[i]);
+}
+
+// y[t, n + r] (+)= sum_k w[r, k] x[t, k], r < NR, t < MR, k < len.
+template <int NR, int MR>
+void f32_tile(const float* w, int64_t ldw, const float* x, int64_t ldx, int64_t len, float* y, int64_t ldy,
+              int64_t n, bool add) {
+  __m256 acc[NR][MR];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < MR; ++t) acc[r][t] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < len; k += 8) {
+    __m256 wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = _mm256_loadu_ps(w + r * ldw + k);
+    for (int t = 0; t < MR; ++t) {
+      const __m256 xv = _mm256_loadu_ps(x + t * ldx + k);
+      for (int r = 0; r < NR; ++r) acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
+    }
+  }
+  float out[NR * MR];
+  hsums<NR * MR>(&acc[0][0], out);
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < MR; ++t) y[t * ldy + n + r] = add ? y[t * ldy + n + r] + out[r * MR + t] : out[r * MR + t];
+}
+
+// int4 rows n0..n1, blocks kb0..kb1 -> fp32 out [n1 - n0, ldo]: w = fma(q, d, m) (int4_dequant's too).
+void dequant_int4_avx2(const uint8_t* wq, const float* d, const float* m, int64_t K, int64_t G, int64_t n0,
+                       int64_t n1, int64_t kb0, int64_t kb1, float* out, int64_t ldo) {
+  const int64_t ngroups = K / G;
+  int shift = 0;  // block -> group: b >> shift (G / 32 is a power of two; no division per block)
+  while ((kBlock << shift) < G) ++shift;
+  const __m256i mask = _mm256_set1_epi32(0xF);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = wq + n * (K / 2);
+    const float *dr = d + n * ngroups, *mr = m + n * ngroups;
+    float* o = out + (n - n0) * ldo - kb0 * kBlock;
+    for (int64_t b = kb0; b < kb1; ++b) {
+      const __m256 vd = _mm256_broadcast_ss(dr + (b >> shift)), vm = _mm256_broadcast_ss(mr + (b >> shift));
+      const uint8_t* p = wr + b * (kBlock / 2);
+      const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+      const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+      float* ob = o + b * kBlock;
+      _mm256_storeu_ps(ob, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, mask)), vd, vm));
+      _mm256_storeu_ps(ob + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, mask)), vd, vm));
+      _mm256_storeu_ps(ob + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), vd, vm));
+      _mm256_storeu_ps(ob + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), vd, vm));
+    }
+  }
+}
+
+constexpr int64_t kPanelMinM = 6;
+constexpr int kMaxMR = 4;                   // activation rows per register tile (M split as evenly as possible)
+constexpr int64_t kTileRows = 24;           // output rows per panel: a multiple of every NR
+constexpr int64_t kPanelBytes = 144 << 10;  // of the 512 KiB L2; longer K is split in chunks of whole groups
+
+constexpr int nr_for(int mr) { return mr <= 2 ? 4 : 3; }
+
+template <int MR>
+void f32_rows(const float* w, int64_t ldw, const float* x, int64_t ldx, int64_t len, float* y, int64_t ldy,
+              int64_t n0, int64_t n1, bool add) {
+  constexpr int NR = nr_for(MR);
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) f32_tile<NR, MR>(w + (n - n0) * ldw, ldw, x, ldx, len, y, ldy, n, add);
+  for (; n < n1; ++n) f32_tile<1, MR>(w + (n - n0) * ldw, ldw, x, ldx, len, y, ldy, n, add);
+}
+
+using F32RowsFn = decltype(&f32_rows<1>);
+constexpr F32RowsFn kF32Rows[] = {f32_rows<1>, f32_rows<2>, f32_rows<3>, f32_rows<4>};
+static_assert(sizeof(kF32Rows) / sizeof(kF32Rows[0]) == kMaxMR, "one tile function per M tile height");
+
+void int4_mm_panel(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* wq, const float* d,
+                   const float* m, int64_t G, float* y) {
+  const int64_t nblocks = K / kBlock, bpg = G / kBlock;
+  const int64_t fit = kPanelBytes / (kTileRows * kBlock * 4);  // blocks of a full panel
+  const int64_t chunks = (nblocks + fit - 1) / fit;
+  const int64_t cb = std::max<int64_t>(1, (nblocks / bpg + chunks - 1) / chunks) * bpg;  // whole groups
+  const int64_t tiles = (M + kMaxMR - 1) / kMaxMR;
+  at::parallel_for(0, N, kTileRows, [&](int64_t n0, int64_t n1) {
+    thread_local std::vector<float> buf;
+    buf.resize(static_cast<size_t>(kTileRows * cb * kBlock));
+    for (int64_t c0 = n0; c0 < n1; c0 += kTileRows) {
+      const int64_t c1 = std::min(c0 + kTileRows, n1);
+      for (int64_t kb0 = 0; kb0 < nblocks; kb0 += cb) {
+        const int64_t kb1 = std::min(kb0 + cb, nblocks), len = (kb1 - kb0) * kBlock;
+        dequant_int4_avx2(wq, d, m, K, G, c0, c1, kb0, kb1, buf.data(), len);
+        for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
+          const int mt = static_cast<int>(M / tiles + (t < M % tiles ? 1 : 0));
+          kF32Rows[mt - 1](buf.data(), len, x + r0 * K + kb0 * kBlock, K, len, y + r0 * N, N, c0, c1, kb0 > 0);
+          r0 += mt;
+        }
+      }
+    }
+  });
+}
+
+// int8 weights, 2 <= M: register tiles of NR output rows x MR activation rows, each weight vector
+// sign-extended and converted once per tile (no fma: the row scale is applied to the sums), software
+// prefetch of the next tile's rows (without it, NR interleaved rows streamed from DRAM ran 1.7x slower).
+template <int NR, int MR>
+void int8_tile(const float* x, int64_t ldx, const int8_t* w, int64_t K, const float* s, float* y, int64_t ldy,
+               int64_t n) {
+  __m256 acc[NR][MR];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < MR; ++t) acc[r][t] = _mm256_setzero_ps();
+  const int8_t* wr = w + n * K;
+  for (int64_t k = 0; k < K; k += kBlock) {
+    if ((k & 63) == 0)  // a line ahead (never faults)
+      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(wr + (NR + r) * K + k), _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      __m256 wf[NR];
+      for (int r = 0; r < NR; ++r)
+        wf[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + r * K + k + 8 * i))));
+      for (int t = 0; t < MR; ++t) {
+        const __m256 xv = _mm256_loadu_ps(x + t * ldx + k + 8 * i);
+        for (int r = 0; r < NR; ++r) acc[r][t] = _mm256_fmadd_ps(wf[r], xv, acc[r][t]);
+      }
+    }
+  }
+  float out[NR * MR];
+  hsums<NR * MR>(&acc[0][0], out);
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < MR; ++t) y[t * ldy + n + r] = out[r * MR + t] * s[n + r];
+}
+
+template <int MR>
+void int8_rows(const float* x, int64_t ldx, const int8_t* w, int64_t K, const float* s, float* y, int64_t ldy,
+               int64_t n0, int64_t n1) {
+  constexpr int NR = nr_for(MR);
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) int8_tile<NR, MR>(x, ldx, w, K, s, y, ldy, n);
+  for (; n < n1; ++n) int8_tile<1, MR>(x, ldx, w, K, s, y, ldy, n);
+}
+
+using Int8RowsFn = decltype(&int8_rows<1>);
+constexpr Int8RowsFn kInt8Rows[] = {int8_rows<1>, int8_rows<2>, int8_rows<3>, int8_rows<4>};
+static_assert(sizeof(kInt8Rows) / sizeof(kInt8Rows[0]) == kMaxMR, "one tile function per M tile height");
+
+void int8_mm_tiles(const float* x, int64_t M, int64_t K, int64_t N, const int8_t* w, const float* s, float* y) {
+  const int64_t tiles = (M + kMaxMR - 1) / kMaxMR;
+  at::parallel_for(0, N, kTileRows, [&](int64_t n0, int64_t n1) {
+    for (int64_t c0 = n0; c0 < n1; c0 += kTileRows) {
+      const int64_t c1 = std::min(c0 + kTileRows, n1);
+      for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
+        const int mt = static_cast<int>(M / tiles + (t < M % tiles ? 1 : 0));
+        kInt8Rows[mt - 1](x + r0 * K, K, w, K, s, y + r0 * N, N, c0, c1);
+        r0 += mt;
+      }
+    }
+  });
 }
 #endif
 
@@ -398,28 +573,16 @@ void check_args(const at::Tensor& packed, const at::Tensor& d, const at::Tensor&
 
 at::Tensor int4_dequant(const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m, int64_t G) {
   check_args(packed, d, m, G);
-  const int64_t N = packed.size(0), K = packed.size(1) * 2, ngroups = K / G;
+  const int64_t N = packed.size(0), K = packed.size(1) * 2;
   at::Tensor w = at::empty({N, K}, d.options());
   const uint8_t* wq = packed.data_ptr<uint8_t>();
   const float *dp = d.data_ptr<float>(), *mp = m.data_ptr<float>();
   float* out = w.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
 #ifdef __AVX2__
-    const __m256i mask = _mm256_set1_epi32(0xF);
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t b = 0; b < K / kBlock; ++b) {
-        const uint8_t* p = wq + n * (K / 2) + b * (kBlock / 2);
-        const int64_t gi = n * ngroups + b * kBlock / G;
-        const __m256 vd = _mm256_set1_ps(dp[gi]), vm = _mm256_set1_ps(mp[gi]);
-        const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-        const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
-        float* o = out + n * K + b * kBlock;
-        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, mask)), vd, vm));
-        _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, mask)), vd, vm));
-        _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), vd, vm));
-        _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), vd, vm));
-      }
+    dequant_int4_avx2(wq, dp, mp, K, G, n0, n1, 0, K / kBlock, out + n0 * K, K);
 #else
+    const int64_t ngroups = K / G;
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t k = 0; k < K; ++k) {
         const int64_t b = k / kBlock, j = k % kBlock;
@@ -476,6 +639,10 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
     at::parallel_for(0, N, kRowChunk, [&](int64_t n0, int64_t n1) {
       row_avx2_m1(xtp, xsp, wq, dp, mp, K, G, yp, n0, n1);
     });
+    return y;
+  }
+  if (M >= kPanelMinM) {
+    int4_mm_panel(xp, M, K, N, wq, dp, mp, G, yp);
     return y;
   }
 #endif
@@ -563,6 +730,12 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   const float* sp = sf.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const float* xp = xf.data_ptr<float>();
+#ifdef __AVX2__
+  if (M >= 2 && !act_int8) {
+    int8_mm_tiles(xp, M, K, N, wp, sp, yp);
+    return y;
+  }
+#endif
   at::parallel_for(0, N, kRowChunk, [&](int64_t n0, int64_t n1) {
     for (int64_t c0 = n0; c0 < n1; c0 += kRowChunk) {
       const int64_t c1 = std::min(c0 + kRowChunk, n1);

@@ -72,10 +72,15 @@ class Server:
 # ---- measured rates ------------------------------------------------------------------------------
 def kernel_rates(ms: tuple[int, ...], k: int = 576, n: int = 1536) -> dict[str, dict[int, float]]:
     """GFLOP/s of each kernel at [M, K] x [K, N] (SmolLM2's MLP shape), M in ms."""
+    import copy
+
     from firstlight.quant import get_format
+    from firstlight.quant.f32 import use_f32_kernel
 
     lin = torch.nn.Linear(k, n, bias=False).requires_grad_(False)
-    layers = {"fp32": lin, **{f: get_format(f).quantize_linear(lin) for f in ("int8", "int4", "w8a8")}}
+    ours = copy.deepcopy(lin)
+    use_f32_kernel(ours)  # what `firstlight serve` runs fp32 linears on (firstlight::f32_mm up to 32 rows)
+    layers = {"fp32": ours, "fp32-blas": lin, **{f: get_format(f).quantize_linear(lin) for f in ("int8", "int4", "w8a8")}}
     out: dict[str, dict[int, float]] = {}
     with torch.inference_mode():
         for name, layer in layers.items():
@@ -130,8 +135,8 @@ def servers(args: argparse.Namespace, port: int) -> list[Server]:
                           args.model, "int4", wb, workloads=("single",)))
     hf = Server("hf-serve", ["transformers", "serve", "--continuous-batching", "--device", "cpu", "--dtype", "float32",
                              "--host", "127.0.0.1", "--port", str(port), str(path)],
-                str(path), "fp32", 0, length_by="generation_config")
-    hf.weight_bytes = next((s.weight_bytes for s in out if s.kernel == "fp32"), 0)
+                str(path), "fp32-blas", 0, length_by="generation_config")
+    hf.weight_bytes = next((s.weight_bytes for s in out if s.name == "firstlight-fp32"), 0)
     hf.cmd[0] = str(Path(PY).with_name("transformers"))
     if not Path(hf.cmd[0]).exists():
         hf.missing = f"{hf.cmd[0]} not found (pip install transformers[serving])"

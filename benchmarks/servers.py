@@ -275,11 +275,17 @@ def main() -> None:
     ap.add_argument("--bench-root", default=str(Path(__file__).parents[1]),
                     help="repository root whose `firstlight bench` client runs the workloads")
     ap.add_argument("--out", default="/tmp/firstlight-servers")
+    ap.add_argument("--tables", type=Path, help="print the tables of a servers.json written earlier, run nothing")
     args = ap.parse_args()
     args.servers = args.servers.split(",")
     args.workloads = args.workloads.split(",")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.rates = [float(r) for r in args.rates.split(",")]
+    if args.tables:
+        summary = json.loads(args.tables.read_text())
+        summary["gemm_gflops"] = {k: {int(m): r for m, r in v.items()} for k, v in summary["gemm_gflops"].items()}
+        print_tables(summary, args)
+        return
     torch.set_num_threads(args.threads)
     from firstlight.models import hub
     from firstlight.models.loader import load_model

@@ -30,14 +30,16 @@ MODES = ("auto", "aten", "firstlight")
 SOURCE = Path(__file__).parent / "kernels" / "int4_gemv.cpp"
 SOURCES = (SOURCE, SOURCE.with_name("f32_gemm.cpp"), SOURCE.with_name("paged_attention.cpp"))
 BLOCK = 32  # input channels per 16-byte block of nibbles
-# Above this many activation rows, int4_mm dequantizes slabs and calls at::mm; up to it, the dequantized-panel
-# tiles (M >= 6) beat that by ~1.1x even at M = 128 on SmolLM2's shapes, 1 thread (docs/PERFORMANCE.md,
-# benchmarks/int4_kernel.py). int4_mm_a8's own tiles (int8 activations) keep the earlier 16.
-MAX_TILED_M = 128
+# Above this many activation rows, int4_mm dequantizes slabs and calls at::mm; from 6 rows up to it, the
+# dequantized-panel tiles. At 1 thread the panels beat dequantize + mm up to M = 128 (~1.1x, docs/PERFORMANCE.md),
+# at 2 threads the BLAS scales better: a 128-token int4 prefill took 520-538 ms with panels up to 128 rows vs
+# 440-462 ms with 16 (same minutes; servers.py's int4 rate at M = 128: 53 vs 109 GFLOP/s), so 16.
+# int4_mm_a8's own tiles (int8 activations) keep 16 too.
+MAX_TILED_M = 16
 A8_MAX_TILED_M = 16
-# int8_mm: the register tiles (fp32 activations) beat dequantize + mm up to at least 128 rows (the head, 49152 x
-# 576, 1 thread: 86 / 111 ms vs 106 / 142 ms at M = 96 / 128)
-INT8_MAX_TILED_M = 128
+# int8_mm: the register tiles (fp32 activations) beat dequantize + mm up to at least 128 rows at 1 thread (the
+# head, 49152 x 576: 86 / 111 ms vs 106 / 142 ms at M = 96 / 128), not at 2 (53 vs 85 GFLOP/s at M = 128)
+INT8_MAX_TILED_M = 64
 # f32_mm: up to this many rows our tiles beat the BLAS on cold weights (benchmarks/f32_gemm.py); above, at::mm
 F32_MAX_TILED_M = 32
 

@@ -1,6 +1,7 @@
 """firstlight::f32_mm (quant/kernels/f32_gemm.cpp): x @ w^T + bias in fp32 for every row count (tiles of 1-3
 rows x 4 output rows, the tails of N and K, the BLAS above the row limit), F32Linear as a drop-in nn.Linear
-(same parameters, tied head stays tied), off with the aten switch, one node under torch.compile."""
+(same parameters, tied head stays tied), off with the aten switch (one node under torch.compile: in
+test_int4_kernel.py with the other ops)."""
 
 from __future__ import annotations
 
@@ -66,20 +67,3 @@ def test_aten_mode_leaves_the_model_alone(kernel_isa, mode):  # noqa: F811
     model = nn.Sequential(nn.Linear(8, 4))
     assert use_f32_kernel(model) == 0 and type(model[0]) is nn.Linear
 
-
-def test_f32_mm_is_one_node_under_compile_fullgraph(kernel_isa, mode):  # noqa: F811
-    mode("auto")
-    torch.manual_seed(3)
-    lin = nn.Linear(64, 48)
-    use_f32_kernel(lin)
-    seen: list[str] = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs):  # noqa: ANN001, ANN202
-        seen.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
-        return gm.forward
-
-    torch._dynamo.reset()
-    x = torch.randn(2, 64)
-    assert torch.allclose(torch.compile(lin, backend=backend, fullgraph=True)(x), lin(x))
-    assert sum("firstlight.f32_mm" in s for s in seen) == 1, seen
-    torch._dynamo.reset()

@@ -140,11 +140,17 @@ def test_build_failure_falls_back_with_one_warning_or_raises_when_required(mode,
 
 
 @pytest.mark.parametrize("fmt, op", [("int4", "firstlight.int4_mm"), ("int8", "firstlight.int8_mm"),
-                                     ("w4a8", "firstlight.int4_mm_a8")])
+                                     ("w4a8", "firstlight.int4_mm_a8"), ("fp32", "firstlight.f32_mm")])
 def test_each_custom_op_is_one_node_under_compile_fullgraph(kernel_isa, mode, fmt, op):
+    from firstlight.quant.f32 import use_f32_kernel
+
     mode("auto")
     torch.manual_seed(3)
-    ql = get_format(fmt).quantize_linear(nn.Linear(64, 48))
+    if fmt == "fp32":  # not a format: the plain linear, routed through our fp32 kernel
+        ql = nn.Linear(64, 48)
+        use_f32_kernel(ql)
+    else:
+        ql = get_format(fmt).quantize_linear(nn.Linear(64, 48))
     seen: list[str] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs):  # noqa: ANN001, ANN202

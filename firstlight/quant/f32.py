@@ -18,11 +18,13 @@ from firstlight.quant import int4_kernel
 
 
 class F32Linear(nn.Linear):
-    """nn.Linear whose 2-D fp32 CPU products go through firstlight::f32_mm (the BLAS above its row limit)."""
+    """nn.Linear whose fp32 CPU products go through firstlight::f32_mm (the BLAS above its row limit); with
+    autograd recording (a tensor that requires grad), torch's F.linear."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            return F.linear(x, self.weight, self.bias)
+        if x.dtype != torch.float32 or x.device.type != "cpu" or (
+                torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+            return F.linear(x, self.weight, self.bias)  # the op has no backward: autograd keeps torch's
         y = int4_kernel.f32_mm(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 

@@ -67,3 +67,12 @@ def test_aten_mode_leaves_the_model_alone(kernel_isa, mode):  # noqa: F811
     model = nn.Sequential(nn.Linear(8, 4))
     assert use_f32_kernel(model) == 0 and type(model[0]) is nn.Linear
 
+
+
+def test_autograd_keeps_torchs_linear(kernel_isa, mode):  # noqa: F811
+    mode("auto")
+    lin = nn.Linear(16, 8)
+    use_f32_kernel(lin)
+    x = torch.randn(3, 16, requires_grad=True)
+    lin(x).sum().backward()  # f32_mm has no backward: F.linear takes it
+    assert x.grad is not None and lin.weight.grad is not None

@@ -146,8 +146,8 @@ def test_each_custom_op_is_one_node_under_compile_fullgraph(kernel_isa, mode, fm
 
     mode("auto")
     torch.manual_seed(3)
-    if fmt == "fp32":  # not a format: the plain linear, routed through our fp32 kernel
-        ql = nn.Linear(64, 48)
+    if fmt == "fp32":  # not a format: a frozen plain linear (as loaded), routed through our fp32 kernel
+        ql = nn.Linear(64, 48).requires_grad_(False)
         use_f32_kernel(ql)
     else:
         ql = get_format(fmt).quantize_linear(nn.Linear(64, 48))

@@ -3,7 +3,8 @@ quant/kernels/f32_gemm.cpp) for decode-sized batches, the BLAS above.
 
 Not a quantization: the weights stay the model's own fp32 tensors (shared, so a tied LM head stays tied and
 state_dict keys do not change); only the matmul that multiplies them changes, and only its summation order.
-Why: at 2..32 activation rows the BLAS packs every weight on every call (docs/PERFORMANCE.md, "fp32 at decode-sized batches").
+Why: at 2..32 activation rows the BLAS packs every weight on every call (docs/PERFORMANCE.md, "fp32 at
+decode-sized batches").
 The serving engine's loader applies it (engine/llm.py `load`); FIRSTLIGHT_INT4_KERNEL=aten turns it off with
 the other kernels of the extension.
 """

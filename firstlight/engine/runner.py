@@ -81,7 +81,7 @@ class PagedKVCache:
         paged_attention: bool = False,
     ) -> None:
         self.k_pools, self.v_pools = k_pools, v_pools
-        self.paged_attention = paged_attention and scale_pools is None  # see attend_decode
+        self.paged_attention = paged_attention  # see attend_decode; the runner decides (fp32 pools on CPU)
         self.state_pools = state_pools or {}  # layer -> (conv pool, recurrent pool), [slots, ...] each
         self.state_slots = state_slots  # [B] the slot of each row
         # a verify pass over speculative rows: recurrent layers also report the state after every
@@ -118,6 +118,12 @@ class PagedKVCache:
             k_new, v_new = k_new[self.write_rows], v_new[self.write_rows]
         return k_new, v_new
 
+    def _store(self, layer: int, view: KVGroupView, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Scatter the new tokens' K/V [N, Hkv, D] into their slots of an unquantized pool."""
+        k_pool, v_pool = self.k_pools[layer], self.v_pools[layer]
+        k_pool.index_copy_(0, view.write_slots, k_new.to(k_pool.dtype))
+        v_pool.index_copy_(0, view.write_slots, v_new.to(v_pool.dtype))
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         batch, num_kv_heads, seq, head_dim = k.shape  # k: [B, Hkv, S, D]
         view = self._layer_views[layer]
@@ -126,8 +132,7 @@ class PagedKVCache:
         flat = self._layer_flat[layer]
         if self.scale_pools is not None:
             return self._update_quantized(layer, view, flat, k_new, v_new, num_kv_heads, head_dim)
-        k_pool.index_copy_(0, view.write_slots, k_new.to(k_pool.dtype))
-        v_pool.index_copy_(0, view.write_slots, v_new.to(v_pool.dtype))
+        self._store(layer, view, k_new, v_new)
         shape = (*view.gather_slots.shape, num_kv_heads, head_dim)  # [B, L, Hkv, D]
         k_all = k_pool.index_select(0, flat).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
         v_all = v_pool.index_select(0, flat).view(shape).transpose(1, 2)
@@ -142,9 +147,7 @@ class PagedKVCache:
         if not self.paged_attention:
             return None
         view = self._layer_views[layer]
-        k_new, v_new = self._new_rows(k, v)
-        self.k_pools[layer].index_copy_(0, view.write_slots, k_new)
-        self.v_pools[layer].index_copy_(0, view.write_slots, v_new)
+        self._store(layer, view, *self._new_rows(k, v))
         batch, heads, _, head_dim = q.shape
         out = int4_kernel.paged_decode_attention(
             q.reshape(batch, heads, head_dim), self.k_pools[layer], self.v_pools[layer], view.gather_slots,

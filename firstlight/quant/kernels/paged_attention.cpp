@@ -140,7 +140,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
   float* op = out.data_ptr<float>();
   const float s = static_cast<float>(scale), ninf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> p(static_cast<size_t>(G * L)), row(4);
+    std::vector<float> p(static_cast<size_t>(G * L));
+    float row[4];
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / Hkv, g = i % Hkv;
       const int64_t* rs = sp + b * L;
@@ -153,7 +154,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
         const float* kv = kp + (rs[l] * Hkv + g) * D;
         for (int64_t j0 = 0; j0 < G; j0 += 4) {
           const int64_t nq = std::min<int64_t>(4, G - j0);
-          if (visible) dots(qp + (b * H + g * G + j0) * D, nq, kv, D, s, row.data());
+          if (visible) dots(qp + (b * H + g * G + j0) * D, nq, kv, D, s, row);
           for (int64_t j = 0; j < nq; ++j) p[(j0 + j) * L + l] = visible ? row[j] : ninf;
         }
       }

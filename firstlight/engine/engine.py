@@ -51,6 +51,9 @@ class EngineConfig:
     # decode attention reads each row's keys in place in the pools (CPU, fp32 KV, our kernel extension:
     # firstlight::paged_decode_attention); False: every layer gathers its keys and runs SDPA
     paged_attention: bool = True
+    # an uncompiled decode step runs every layer of a dense decoder in one native call (engine/native_decode.py;
+    # needs paged_attention's conditions, declines other families and formats); False: the modules, op by op
+    native_decode: bool = True
     seed: int = 0
     trace_path: str | Path | None = None
     speculative: SpecConfig | None = None  # a proposer (ngram, draft, heads, mtp) and its k; None = off
@@ -158,6 +161,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len, num_state_slots=num_slots,
             kv_cache_dtype=config.kv_cache_dtype,
             num_sliding_blocks=num_sliding_blocks, paged_attention=config.paged_attention,
+            native_decode=config.native_decode,
         )
         if num_slots:
             self.runner.state_slot_of = self.kv.slot_of.__getitem__  # type: ignore[attr-defined]

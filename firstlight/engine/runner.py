@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from firstlight.core.batch import Batch, ScheduledSeq
+from firstlight.engine.native_decode import NativeDecode
 from firstlight.engine.request import Request
 from firstlight.models.states import state_shapes
 from firstlight.quant import int4_kernel
@@ -308,6 +309,7 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         num_sliding_blocks: int | None = None,
         paged_attention: bool = True,
+        native_decode: bool = True,
     ) -> None:
         """num_sliding_blocks: the sliding-window layers get pools of their own with this many blocks,
         paged by the Batch's `sliding_block_ids` (engine/kv_groups.py); None: they share `block_ids`."""
@@ -363,6 +365,11 @@ class ModelRunner:
         self.batch_buckets = batch_buckets(max_num_seqs)
         self.key_buckets = key_buckets(max_keys, block_size)
         self._compiled = compiled_decode(model) if compile_decode else None
+        # every layer of an uncompiled decode step in one native call, where it applies (engine/native_decode.py)
+        self.native_decode: NativeDecode | None = None
+        self.native_decode_declined = "off"
+        if native_decode and self.paged_attention and not compile_decode:
+            self.native_decode, self.native_decode_declined = NativeDecode.build(model, self.k_pools, self.v_pools)
         self.decode_shapes: set[tuple[int, int]] = set()  # (B, L) buckets the compiled decode ran
 
     @property
@@ -430,6 +437,8 @@ class ModelRunner:
         self._reset_fresh_states(seqs)
         if num_tokens == 1 and self.compile_decode:
             hidden = self._run_compiled_decode(seqs, input_ids, positions)
+        elif num_tokens == 1 and self.native_decode is not None:
+            hidden = self.native_decode(input_ids.to(dev), positions.to(dev), self._make_cache(seqs, positions))
         else:
             cache = self._make_cache(seqs, positions)
             # a hybrid model's verify pass keeps the recurrent state after every token (rollback)

@@ -28,7 +28,8 @@ ENV = "FIRSTLIGHT_INT4_KERNEL"
 ISA_ENV = "FIRSTLIGHT_INT4_ISA"  # `scalar` builds the portable path on an AVX2 machine (its tests)
 MODES = ("auto", "aten", "firstlight")
 SOURCE = Path(__file__).parent / "kernels" / "int4_gemv.cpp"
-SOURCES = (SOURCE, SOURCE.with_name("f32_gemm.cpp"), SOURCE.with_name("paged_attention.cpp"))
+SOURCES = (SOURCE, *(SOURCE.with_name(n) for n in ("f32_gemm.cpp", "paged_attention.cpp", "dense_decode.cpp")))
+HEADERS = (SOURCE.with_name("firstlight_kernels.h"),)
 BLOCK = 32  # input channels per 16-byte block of nibbles
 # Above this many activation rows, int4_mm dequantizes slabs and calls at::mm; from 6 rows up to it, the
 # dequantized-panel tiles. At 1 thread the panels beat dequantize + mm up to M = 128 (~1.1x, docs/PERFORMANCE.md);
@@ -74,7 +75,7 @@ def _build() -> str:
     if _loaded:
         return _loaded[0]
     flags = ["-O3", "-mavx2", "-mfma"] if isa == "avx2" else ["-O3"]
-    tag = hashlib.sha256(("".join(p.read_text() for p in SOURCES) + " ".join(flags)).encode()).hexdigest()[:10]
+    tag = hashlib.sha256(("".join(p.read_text() for p in (*SOURCES, *HEADERS)) + " ".join(flags)).encode()).hexdigest()[:10]
     torch_tag = re.sub(r"[^0-9A-Za-z]+", "_", torch.__version__)
     name = f"firstlight_int4_{isa}_{tag}"
     build_dir = firstlight_home() / "kernels" / f"{name}_torch{torch_tag}"

@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "firstlight_kernels.h"
+
 #include <algorithm>
 #include <cstdint>
 

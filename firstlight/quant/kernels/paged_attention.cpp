@@ -12,39 +12,17 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "firstlight_kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
 
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
-
 namespace {
 
 #ifdef __AVX2__
-// e^x for 8 floats (Cephes' expf as in avx_mathfun: 2^n * poly(r), ~1 ulp over the softmax range; x <= 0
-// here, and exp of very negative x flushes to 0)
-inline __m256 exp256(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.3f);
-  x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
-  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
-  fx = _mm256_floor_ps(fx);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
-  const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(0x7f)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
-}
-
 inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
   return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
@@ -99,7 +77,7 @@ inline bool softmax(float* p, int64_t L) {
   const __m256 vmx = _mm256_set1_ps(mx);
   __m256 acc = _mm256_setzero_ps();
   for (; l + 8 <= L; l += 8) {
-    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + l), vmx));
+    const __m256 e = firstlight::exp256(_mm256_sub_ps(_mm256_loadu_ps(p + l), vmx));
     _mm256_storeu_ps(p + l, e);
     acc = _mm256_add_ps(acc, e);
   }
@@ -118,27 +96,12 @@ inline bool softmax(float* p, int64_t L) {
 
 }  // namespace
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                                  const at::Tensor& slots, const c10::optional<at::Tensor>& mask, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "firstlight::paged_decode_attention q must be fp32 [B, H, D]");
-  TORCH_CHECK(k_pool.dim() == 3 && k_pool.scalar_type() == at::kFloat && k_pool.is_contiguous() &&
-                  v_pool.sizes() == k_pool.sizes() && v_pool.scalar_type() == at::kFloat && v_pool.is_contiguous(),
-              "firstlight::paged_decode_attention pools must be contiguous fp32 [slots, Hkv, D], equal shapes");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_pool.size(1);
-  TORCH_CHECK(k_pool.size(2) == D && Hkv > 0 && H % Hkv == 0, "firstlight::paged_decode_attention: q ", q.sizes(),
-              " does not match pools ", k_pool.sizes());
-  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == B && slots.scalar_type() == at::kLong,
-              "firstlight::paged_decode_attention slots must be int64 [B, L]");
-  const int64_t L = slots.size(1), G = H / Hkv, nslots = k_pool.size(0);
-  at::Tensor mk;
-  if (mask.has_value()) mk = mask->to(at::kBool).reshape({B, L}).contiguous();
-  const at::Tensor qc = q.contiguous(), sc = slots.contiguous();
-  at::Tensor out = at::zeros({B, H, D}, q.options());
-  const float *qp = qc.data_ptr<float>(), *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>();
-  const int64_t* sp = sc.data_ptr<int64_t>();
-  const bool* mp = mk.defined() ? mk.data_ptr<bool>() : nullptr;
-  float* op = out.data_ptr<float>();
-  const float s = static_cast<float>(scale), ninf = -std::numeric_limits<float>::infinity();
+void firstlight::paged_attention_rows(const float* qp, int64_t ldq, int64_t B, int64_t H, int64_t D,
+                                      const float* kp, const float* vp, int64_t nslots, int64_t Hkv,
+                                      const int64_t* sp, int64_t L, const bool* mp, float scale, float* op,
+                                      int64_t ldo) {
+  const int64_t G = H / Hkv;
+  const float s = scale, ninf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> p(static_cast<size_t>(G * L));
     float row[4];
@@ -148,19 +111,19 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
       for (int64_t l = 0; l < L; ++l) {  // scores, p [G, L]
         if (l + 4 < L && rs[l + 4] >= 0 && rs[l + 4] < nslots) {  // the key four ahead: another block, maybe
           const char* nk = reinterpret_cast<const char*>(kp + (rs[l + 4] * Hkv + g) * D);
-          for (int64_t off = 0; off < D * 4; off += 64) _mm_prefetch(nk + off, _MM_HINT_T0);
+          for (int64_t off = 0; off < D * 4; off += 64) __builtin_prefetch(nk + off);
         }
         const bool visible = (mp == nullptr || mp[b * L + l]) && rs[l] >= 0 && rs[l] < nslots;
         const float* kv = kp + (rs[l] * Hkv + g) * D;
         for (int64_t j0 = 0; j0 < G; j0 += 4) {
           const int64_t nq = std::min<int64_t>(4, G - j0);
-          if (visible) dots(qp + (b * H + g * G + j0) * D, nq, kv, D, s, row);
+          if (visible) dots(qp + b * ldq + (g * G + j0) * D, nq, kv, D, s, row);
           for (int64_t j = 0; j < nq; ++j) p[(j0 + j) * L + l] = visible ? row[j] : ninf;
         }
       }
       for (int64_t j = 0; j < G; ++j) softmax(p.data() + j * L, L);
       for (int64_t j = 0; j < G; ++j) {  // out_j = sum_l p[j, l] v_l
-        float* o = op + (b * H + g * G + j) * D;
+        float* o = op + b * ldo + (g * G + j) * D;
         const float* pj = p.data() + j * L;
         int64_t d = 0;
 #ifdef __AVX2__
@@ -193,6 +156,28 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
       }
     }
   });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                  const at::Tensor& slots, const c10::optional<at::Tensor>& mask, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "firstlight::paged_decode_attention q must be fp32 [B, H, D]");
+  TORCH_CHECK(k_pool.dim() == 3 && k_pool.scalar_type() == at::kFloat && k_pool.is_contiguous() &&
+                  v_pool.sizes() == k_pool.sizes() && v_pool.scalar_type() == at::kFloat && v_pool.is_contiguous(),
+              "firstlight::paged_decode_attention pools must be contiguous fp32 [slots, Hkv, D], equal shapes");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_pool.size(1);
+  TORCH_CHECK(k_pool.size(2) == D && Hkv > 0 && H % Hkv == 0, "firstlight::paged_decode_attention: q ", q.sizes(),
+              " does not match pools ", k_pool.sizes());
+  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == B && slots.scalar_type() == at::kLong,
+              "firstlight::paged_decode_attention slots must be int64 [B, L]");
+  const int64_t L = slots.size(1), nslots = k_pool.size(0);
+  at::Tensor mk;
+  if (mask.has_value()) mk = mask->to(at::kBool).reshape({B, L}).contiguous();
+  const at::Tensor qc = q.contiguous(), sc = slots.contiguous();
+  at::Tensor out = at::zeros({B, H, D}, q.options());
+  firstlight::paged_attention_rows(qc.data_ptr<float>(), H * D, B, H, D, k_pool.data_ptr<float>(),
+                                   v_pool.data_ptr<float>(), nslots, Hkv, sc.data_ptr<int64_t>(), L,
+                                   mk.defined() ? mk.data_ptr<bool>() : nullptr, static_cast<float>(scale),
+                                   out.data_ptr<float>(), H * D);
   return out;
 }
 

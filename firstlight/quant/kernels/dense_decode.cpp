@@ -1,0 +1,294 @@
+// firstlight native decode step for CPU: every layer of a dense decoder (models/dense.py: Llama, Mistral,
+// Qwen2, Qwen3, SmolLM2) for one new token per row, in one call, over the engine's paged KV pools.
+//
+// Per layer, exactly the module graph of models/dense.py DecoderLayer at S = 1:
+//   h = rmsnorm(x) ; qkv = h W_qkv (+b) ; [q/k rmsnorm per head] ; rope(q), rope(k) ; store k, v at the row's
+//   slot ; a = paged attention(q) over the row's keys ; x += a W_o (+b)
+//   h = rmsnorm(x) ; [g | u] = h W_gu (+b) ; x += (act(g) * u) W_down (+b)
+// then the final rmsnorm. The matmuls are the same kernels the modules call (int4_mm, int4_mm_a8, int8_mm,
+// f32_mm: called here as C++ functions, no dispatcher); the glue (norms, rope, the K/V store, activation,
+// residual adds) is plain loops over the [B, *] rows. Why: in eager PyTorch the ~30 ops of glue per layer cost
+// more than the matmuls at batch 1 (a SmolLM2 int4 step: 15 ms of kernels, 29 ms of Python and dispatch).
+//
+// The weights are registered once (dense_decode_plan -> a handle, with the runner's pools) and each step
+// passes only what changes: the embedded rows, positions, rope tables and the slots of each KV cache group.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "firstlight_kernels.h"
+
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace {
+
+enum Kind : int64_t { kF32 = 0, kInt4 = 1, kInt4A8 = 2, kInt8 = 3, kInt8A8 = 4 };
+enum Act : int64_t { kSilu = 0, kGeluTanh = 1 };
+
+struct Linear {
+  int64_t kind = kF32, group = 0;
+  at::Tensor a, b, c, bias;  // f32: w; int4: packed, scales, mins; int8: qweight, scales
+};
+
+struct Layer {
+  int64_t type = 0;  // index of its KV cache group (layer type) in the step's per-group lists
+  bool rope = true;
+  at::Tensor in_norm, q_norm, k_norm, post_norm;  // q_norm / k_norm undefined without per-head norms
+  Linear qkv, o, gate_up, down;
+};
+
+struct Plan {
+  int64_t E = 0, H = 0, Hkv = 0, D = 0, I = 0, act = kSilu;
+  int64_t tiled_f32 = 0, tiled_int4 = 0, tiled_a8 = 0, tiled_int8 = 0;
+  float eps = 1e-6f, scale = 1.f;
+  at::Tensor final_norm;
+  std::vector<Layer> layers;
+  std::vector<at::Tensor> k_pools, v_pools;
+};
+
+std::mutex plans_mu;
+std::map<int64_t, std::shared_ptr<const Plan>> plans;
+int64_t next_plan = 1;
+
+at::Tensor opt(const at::Tensor& t) { return t.numel() ? t : at::Tensor(); }  // empty = absent
+
+at::Tensor run_linear(const Plan& p, const Linear& l, const at::Tensor& x) {
+  at::Tensor y;
+  switch (l.kind) {
+    case kF32: return f32_mm(x, l.a, l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt, p.tiled_f32);
+    case kInt4: y = int4_mm(x, l.a, l.b, l.c, l.group, p.tiled_int4); break;
+    case kInt4A8: y = int4_mm_a8(x, l.a, l.b, l.c, l.group, p.tiled_a8); break;
+    case kInt8: y = int8_mm(x, l.a, l.b, false, p.tiled_int8); break;
+    case kInt8A8: y = int8_mm(x, l.a, l.b, true, p.tiled_int8); break;
+    default: TORCH_CHECK(false, "firstlight::dense_decode: unknown linear kind ", l.kind);
+  }
+  if (l.bias.defined()) y.add_(l.bias);
+  return y;
+}
+
+// out[0..n) = w * (x * 1/sqrt(mean(x^2) + eps)), as models/layers.py RMSNorm in fp32
+void rmsnorm(const float* x, const float* w, int64_t n, float eps, float* out) {
+  float ss = 0.f;
+  int64_t i = 0;
+#ifdef __AVX2__
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+    a0 = _mm256_fmadd_ps(v0, v0, a0);
+    a1 = _mm256_fmadd_ps(v1, v1, a1);
+  }
+  alignas(32) float t[8];
+  _mm256_store_ps(t, _mm256_add_ps(a0, a1));
+  for (float v : t) ss += v;
+#endif
+  for (; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (i = 0; i < n; ++i) out[i] = w[i] * (x[i] * r);
+}
+
+// x[0..D) rotated by the half-split rotary embedding over its first `rot` dims (cos, sin: [rot])
+void rope(float* x, const float* cos, const float* sin, int64_t rot) {
+  const int64_t half = rot / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float x0 = x[i], x1 = x[i + half];
+    x[i] = x0 * cos[i] - x1 * sin[i];
+    x[i + half] = x1 * cos[i + half] + x0 * sin[i + half];
+  }
+}
+
+// y[i] = act(g[i]) * u[i]
+void gated_act(const float* g, const float* u, int64_t n, int64_t act, float* y) {
+  int64_t i = 0;
+  if (act == kSilu) {
+#ifdef __AVX2__
+    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_loadu_ps(g + i);
+      const __m256 s = _mm256_div_ps(v, _mm256_add_ps(one, firstlight::exp256(_mm256_sub_ps(zero, v))));
+      _mm256_storeu_ps(y + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; ++i) y[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    return;
+  }
+  constexpr float kAlpha = 0.7978845608028654f;  // sqrt(2 / pi)
+  for (; i < n; ++i) {
+    const float v = g[i];
+    y[i] = 0.5f * v * (1.f + std::tanh(kAlpha * (v + 0.044715f * v * v * v))) * u[i];
+  }
+}
+
+std::shared_ptr<const Plan> get_plan(int64_t handle) {
+  std::lock_guard<std::mutex> lock(plans_mu);
+  auto it = plans.find(handle);
+  TORCH_CHECK(it != plans.end(), "firstlight::dense_decode: no plan ", handle, " (freed, or never made)");
+  return it->second;
+}
+
+}  // namespace
+
+// ints: E, H, Hkv, D, I, act, tiled f32 / int4 / a8 / int8, then per layer: type, rope, and (kind, group) of
+// qkv, o, gate_up, down. tensors: final norm, then per layer: in norm, q norm, k norm, post norm, and
+// (a, b, c, bias) of qkv, o, gate_up, down (empty tensors where absent). floats: eps, attention scale.
+int64_t dense_decode_plan(at::TensorList tensors, at::IntArrayRef ints, at::ArrayRef<double> floats,
+                          at::TensorList k_pools, at::TensorList v_pools) {
+  constexpr int64_t kHead = 10, kPerLayerInts = 10, kPerLayerTensors = 20;
+  TORCH_CHECK(ints.size() >= kHead && (ints.size() - kHead) % kPerLayerInts == 0 && floats.size() == 2,
+              "firstlight::dense_decode_plan: malformed ints/floats");
+  const int64_t num_layers = (static_cast<int64_t>(ints.size()) - kHead) / kPerLayerInts;
+  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == 1 + num_layers * kPerLayerTensors &&
+                  static_cast<int64_t>(k_pools.size()) == num_layers && v_pools.size() == k_pools.size(),
+              "firstlight::dense_decode_plan: expected ", 1 + num_layers * kPerLayerTensors, " tensors and ",
+              num_layers, " pools per kind");
+  auto p = std::make_shared<Plan>();
+  p->E = ints[0], p->H = ints[1], p->Hkv = ints[2], p->D = ints[3], p->I = ints[4], p->act = ints[5];
+  p->tiled_f32 = ints[6], p->tiled_int4 = ints[7], p->tiled_a8 = ints[8], p->tiled_int8 = ints[9];
+  p->eps = static_cast<float>(floats[0]), p->scale = static_cast<float>(floats[1]);
+  TORCH_CHECK(p->Hkv > 0 && p->H % p->Hkv == 0 && (p->act == kSilu || p->act == kGeluTanh),
+              "firstlight::dense_decode_plan: bad head counts or activation");
+  auto f32 = [](const at::Tensor& t, int64_t n, const char* what) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n,
+                "firstlight::dense_decode_plan: ", what, " must be contiguous fp32 with ", n, " elements");
+    return t;
+  };
+  p->final_norm = f32(tensors[0], p->E, "the final norm");
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const int64_t* li = ints.data() + kHead + l * kPerLayerInts;
+    const at::Tensor* lt = tensors.data() + 1 + l * kPerLayerTensors;
+    Layer layer;
+    layer.type = li[0], layer.rope = li[1] != 0;
+    layer.in_norm = f32(lt[0], p->E, "a norm");
+    if (lt[1].numel()) layer.q_norm = f32(lt[1], p->D, "a q norm");
+    if (lt[2].numel()) layer.k_norm = f32(lt[2], p->D, "a k norm");
+    layer.post_norm = f32(lt[3], p->E, "a norm");
+    Linear* lins[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
+    for (int j = 0; j < 4; ++j) {
+      lins[j]->kind = li[2 + 2 * j], lins[j]->group = li[3 + 2 * j];
+      lins[j]->a = lt[4 + 4 * j], lins[j]->b = opt(lt[5 + 4 * j]), lins[j]->c = opt(lt[6 + 4 * j]);
+      lins[j]->bias = opt(lt[7 + 4 * j]);
+    }
+    const at::Tensor& kp = k_pools[l];
+    TORCH_CHECK(kp.scalar_type() == at::kFloat && kp.is_contiguous() && kp.dim() == 3 && kp.size(1) == p->Hkv &&
+                    kp.size(2) == p->D && v_pools[l].sizes() == kp.sizes() && v_pools[l].is_contiguous() &&
+                    v_pools[l].scalar_type() == at::kFloat,
+                "firstlight::dense_decode_plan: the pools of layer ", l, " must be contiguous fp32 [slots, Hkv, D]");
+    p->layers.push_back(std::move(layer));
+    p->k_pools.push_back(kp);
+    p->v_pools.push_back(v_pools[l]);
+  }
+  std::lock_guard<std::mutex> lock(plans_mu);
+  plans[next_plan] = std::move(p);
+  return next_plan++;
+}
+
+void dense_decode_free(int64_t handle) {
+  std::lock_guard<std::mutex> lock(plans_mu);
+  plans.erase(handle);
+}
+
+// x [B, E] embedded rows; positions [B]; per KV cache group t: cos[t], sin[t] [B, rot], write_slots[t] [B],
+// gather_slots[t] / key_positions[t] [B, L_t], windows[t] (0: none) -> the final-normed hidden rows [B, E].
+// A key is visible when key_pos >= 0, key_pos <= pos and (window) pos - key_pos < window, as attention_mask.
+at::Tensor dense_decode(int64_t handle, const at::Tensor& x_in, const at::Tensor& positions, at::TensorList cos,
+                        at::TensorList sin, at::TensorList write_slots, at::TensorList gather_slots,
+                        at::TensorList key_positions, at::IntArrayRef windows) {
+  const std::shared_ptr<const Plan> plan = get_plan(handle);
+  const Plan& p = *plan;
+  const int64_t E = p.E, H = p.H, Hkv = p.Hkv, D = p.D, I = p.I;
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == E, "firstlight::dense_decode x must be [B, ", E, "]");
+  const int64_t B = x_in.size(0), T = static_cast<int64_t>(cos.size());
+  TORCH_CHECK(positions.numel() == B && positions.scalar_type() == at::kLong, "firstlight::dense_decode positions must be int64 [B]");
+  TORCH_CHECK(static_cast<int64_t>(sin.size()) == T && static_cast<int64_t>(write_slots.size()) == T &&
+                  static_cast<int64_t>(gather_slots.size()) == T && static_cast<int64_t>(key_positions.size()) == T &&
+                  static_cast<int64_t>(windows.size()) == T,
+              "firstlight::dense_decode: one cos, sin, write/gather slots, key positions and window per KV group");
+  at::Tensor x = x_in.to(at::kFloat).contiguous().clone();  // the residual stream, [B, E]
+  const at::Tensor pos = positions.contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  // per group: visibility [B, L] from the key positions (as models/layers.py attention_mask)
+  std::vector<at::Tensor> cs(T), sn(T), ws(T), gs(T), masks(T);
+  for (int64_t t = 0; t < T; ++t) {
+    cs[t] = cos[t].to(at::kFloat).reshape({B, -1}).contiguous();
+    sn[t] = sin[t].to(at::kFloat).reshape({B, -1}).contiguous();
+    ws[t] = write_slots[t].contiguous();
+    gs[t] = gather_slots[t].contiguous();
+    TORCH_CHECK(ws[t].numel() == B && gs[t].dim() == 2 && gs[t].size(0) == B &&
+                    key_positions[t].sizes() == gs[t].sizes() && cs[t].sizes() == sn[t].sizes() && cs[t].size(1) <= D,
+                "firstlight::dense_decode: group ", t, " slots, key positions or rope tables do not match B = ", B);
+    const at::Tensor kpos = key_positions[t].contiguous();
+    const int64_t L = gs[t].size(1), window = windows[t];
+    masks[t] = at::empty({B, L}, x.options().dtype(at::kBool));
+    bool* mp = masks[t].data_ptr<bool>();
+    const int64_t* kp = kpos.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t l = 0; l < L; ++l) {
+        const int64_t k = kp[b * L + l], q = pp[b];
+        mp[b * L + l] = q < 0 || (k >= 0 && k <= q && (window == 0 || q - k < window));
+      }
+  }
+  const int64_t NQKV = (H + 2 * Hkv) * D;
+  at::Tensor h = at::empty({B, E}, x.options()), attn = at::empty({B, H * D}, x.options());
+  at::Tensor act = at::empty({B, I}, x.options());
+  float* xp = x.data_ptr<float>();
+  float* hp = h.data_ptr<float>();
+  for (size_t li = 0; li < p.layers.size(); ++li) {
+    const Layer& layer = p.layers[li];
+    const int64_t t = layer.type;
+    TORCH_CHECK(t >= 0 && t < T, "firstlight::dense_decode: layer ", li, " has group ", t, " of ", T);
+    for (int64_t b = 0; b < B; ++b) rmsnorm(xp + b * E, layer.in_norm.data_ptr<float>(), E, p.eps, hp + b * E);
+    const at::Tensor qkv = run_linear(p, layer.qkv, h);  // [B, NQKV]
+    TORCH_CHECK(qkv.size(1) == NQKV, "firstlight::dense_decode: qkv of layer ", li, " has ", qkv.size(1), " columns");
+    float* qkvp = qkv.data_ptr<float>();
+    float* kpool = p.k_pools[li].data_ptr<float>();
+    float* vpool = p.v_pools[li].data_ptr<float>();
+    const int64_t nslots = p.k_pools[li].size(0), rot = cs[t].size(1);
+    const int64_t* wsp = ws[t].data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      float* q = qkvp + b * NQKV;
+      float* k = q + H * D;
+      const float* v = k + Hkv * D;
+      if (layer.q_norm.defined()) {
+        for (int64_t j = 0; j < H; ++j) rmsnorm(q + j * D, layer.q_norm.data_ptr<float>(), D, p.eps, q + j * D);
+        for (int64_t j = 0; j < Hkv; ++j) rmsnorm(k + j * D, layer.k_norm.data_ptr<float>(), D, p.eps, k + j * D);
+      }
+      if (layer.rope) {
+        const float *c = cs[t].data_ptr<float>() + b * rot, *s = sn[t].data_ptr<float>() + b * rot;
+        for (int64_t j = 0; j < H; ++j) rope(q + j * D, c, s, rot);
+        for (int64_t j = 0; j < Hkv; ++j) rope(k + j * D, c, s, rot);
+      }
+      const int64_t slot = wsp[b];
+      TORCH_CHECK(slot >= 0 && slot < nslots, "firstlight::dense_decode: write slot ", slot, " outside the pool");
+      std::memcpy(kpool + slot * Hkv * D, k, sizeof(float) * Hkv * D);
+      std::memcpy(vpool + slot * Hkv * D, v, sizeof(float) * Hkv * D);
+    }
+    firstlight::paged_attention_rows(qkvp, NQKV, B, H, D, kpool, vpool, nslots, Hkv, gs[t].data_ptr<int64_t>(),
+                                     gs[t].size(1), masks[t].data_ptr<bool>(), p.scale, attn.data_ptr<float>(), H * D);
+    x.add_(run_linear(p, layer.o, attn));
+    for (int64_t b = 0; b < B; ++b) rmsnorm(xp + b * E, layer.post_norm.data_ptr<float>(), E, p.eps, hp + b * E);
+    const at::Tensor gu = run_linear(p, layer.gate_up, h);  // [B, 2I]
+    for (int64_t b = 0; b < B; ++b) {
+      const float* g = gu.data_ptr<float>() + b * 2 * I;
+      gated_act(g, g + I, I, p.act, act.data_ptr<float>() + b * I);
+    }
+    x.add_(run_linear(p, layer.down, act));
+  }
+  at::Tensor out = at::empty({B, E}, x.options());
+  for (int64_t b = 0; b < B; ++b) rmsnorm(xp + b * E, p.final_norm.data_ptr<float>(), E, p.eps, out.data_ptr<float>() + b * E);
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(firstlight, lib) {
+  lib.def("dense_decode_plan(Tensor[] tensors, int[] ints, float[] floats, Tensor[] k_pools, Tensor[] v_pools) -> int",
+          &dense_decode_plan);
+  lib.def("dense_decode_free(int plan) -> ()", &dense_decode_free);
+  lib.def("dense_decode(int plan, Tensor x, Tensor positions, Tensor[] cos, Tensor[] sin, Tensor[] write_slots, "
+          "Tensor[] gather_slots, Tensor[] key_positions, int[] windows) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(firstlight, CPU, lib) {
+  lib.impl("dense_decode", &dense_decode);
+}

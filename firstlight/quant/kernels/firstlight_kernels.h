@@ -1,0 +1,56 @@
+// What firstlight's CPU kernel sources share: the entry points one source calls in another (dense_decode.cpp
+// runs the matmul and attention kernels of the others without a dispatcher hop) and the vector helpers.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+// int4_gemv.cpp
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
+                   int64_t G, int64_t max_tiled_m);
+at::Tensor int4_mm_a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
+                      int64_t G, int64_t max_tiled_m);
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, bool act_int8,
+                   int64_t max_tiled_m);
+// f32_gemm.cpp
+at::Tensor f32_mm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                  int64_t max_tiled_m);
+
+namespace firstlight {
+
+// paged_attention.cpp: out[b, h] (row stride ldo) = softmax over the visible keys of row b of
+// scale * q[b, h] . k, times v; q row b at q + b * ldq ([H, D] contiguous), keys/values at pools
+// [nslots, Hkv, D] rows slots[b * L + l], mask [B, L] (nullptr: all visible). Threads over (row, KV head).
+void paged_attention_rows(const float* q, int64_t ldq, int64_t B, int64_t H, int64_t D, const float* k_pool,
+                          const float* v_pool, int64_t nslots, int64_t Hkv, const int64_t* slots, int64_t L,
+                          const bool* mask, float scale, float* out, int64_t ldo);
+
+#ifdef __AVX2__
+// e^x for 8 floats (Cephes' expf as in avx_mathfun: 2^n * poly(r), ~1 ulp over the softmax range; x <= 0
+// here, and exp of very negative x flushes to 0)
+inline __m256 exp256(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.3f);
+  x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(0x7f)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+#endif
+
+}  // namespace firstlight

@@ -1,0 +1,83 @@
+"""The native decode step (engine/native_decode.py, firstlight::dense_decode): the engine's tokens and logprobs
+the same with it on or off for every dense family feature (q/k/v bias, q/k norm, sliding windows) and every
+weight format it takes; declined, with the reason, where it does not apply."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from firstlight.engine.engine import EngineConfig, LLMEngine
+from firstlight.engine.native_decode import NativeDecode
+from firstlight.engine.request import SamplingParams
+from firstlight.models.loader import load_model
+from firstlight.models.tiny import write_tiny_checkpoint
+from firstlight.quant.model import quantize_model
+
+from ..quant.test_int4_kernel import kernel_isa  # noqa: F401 - fixture
+from .test_engine import prompts, run_staggered
+
+PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
+
+
+def _engine(model, tok, native: bool, **config) -> LLMEngine:  # noqa: ANN001
+    cfg = EngineConfig(block_size=4, num_blocks=128, max_num_batched_tokens=16, native_decode=native, **config)
+    return LLMEngine(model, tok, cfg)
+
+
+def _same_with_and_without(model, tok, **config) -> None:  # noqa: ANN001
+    ps = prompts(6, seed=3)
+    outs = {}
+    for native in (True, False):
+        engine = _engine(model, tok, native, **config)
+        assert (engine.runner.native_decode is not None) is native, engine.runner.native_decode_declined
+        outs[native] = run_staggered(engine, ps, PARAMS)
+    for i in range(len(ps)):
+        assert outs[True][i].output_token_ids == outs[False][i].output_token_ids
+        lp_on = [lp.logprob for lp in outs[True][i].logprobs]
+        assert lp_on == pytest.approx([lp.logprob for lp in outs[False][i].logprobs], abs=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_families_same_tokens_and_logprobs(kernel_isa, family, tmp_path):  # noqa: F811
+    """Staggered prompts: decode rows of different lengths; mistral's sliding window masks old keys."""
+    overrides = {"sliding_window": 12} if family == "mistral" else {}
+    model, tok = load_model(write_tiny_checkpoint(tmp_path / family, family=family, seed=1, **overrides))
+    _same_with_and_without(model, tok)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "w4a8"])
+def test_formats_same_tokens_and_logprobs(kernel_isa, fmt, tmp_path):  # noqa: F811
+    model, tok = load_model(write_tiny_checkpoint(tmp_path / "m", family="llama", seed=2))
+    quantize_model(model, fmt)
+    _same_with_and_without(model, tok)
+
+
+def test_declines_what_it_does_not_run(kernel_isa, tmp_path):  # noqa: F811
+    gemma, tok = load_model(write_tiny_checkpoint(tmp_path / "g", family="gemma3_text", seed=1))
+    engine = _engine(gemma, tok, True)
+    assert engine.runner.native_decode is None and "not models/dense.py's decoder" in engine.runner.native_decode_declined
+    model, tok = load_model(write_tiny_checkpoint(tmp_path / "l", family="llama", seed=1))
+    engine = _engine(model, tok, True, kv_cache_dtype="int8")  # quantized pools: no paged attention, no native step
+    assert engine.runner.native_decode is None
+    done = run_staggered(engine, prompts(2), PARAMS)
+    assert all(len(o.output_token_ids) == 10 for o in done.values())
+    quantize_model(model, "w8a8")  # fbgemm's linear: not a kernel of ours
+    engine = _engine(model, tok, True)
+    assert engine.runner.native_decode is None and "W8A8Linear" in engine.runner.native_decode_declined
+
+
+def test_a_freed_plan_is_a_clear_error(kernel_isa, tmp_path):  # noqa: F811
+    model, _ = load_model(write_tiny_checkpoint(tmp_path / "l", family="llama", seed=1))
+    cfg = model.config
+    pools = [torch.zeros(8, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+    plan, why = NativeDecode.build(model, pools, pools)
+    assert plan is not None, why
+    handle = plan.handle
+    del plan
+    gc.collect()
+    with pytest.raises(RuntimeError, match="no plan"):
+        torch.ops.firstlight.dense_decode(handle, torch.zeros(1, cfg.hidden_size), torch.zeros(1, dtype=torch.long),
+                                          [], [], [], [], [], [])

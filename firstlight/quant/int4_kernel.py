@@ -74,14 +74,17 @@ def _build() -> str:
         raise QuantizationError(f"{ISA_ENV}={isa!r} is not one of avx2, scalar")
     if _loaded:
         return _loaded[0]
-    flags = ["-O3", "-mavx2", "-mfma"] if isa == "avx2" else ["-O3"]
+    # -fopenmp: at::parallel_for is a header template that runs its body serially unless the including source is
+    # compiled with OpenMP; the .so then links libgomp.so.1, the runtime torch already loaded (one thread pool,
+    # torch.set_num_threads applies). Without it every kernel here ran on one core whatever the thread count.
+    flags = ["-O3", "-fopenmp"] + (["-mavx2", "-mfma"] if isa == "avx2" else [])
     tag = hashlib.sha256(("".join(p.read_text() for p in (*SOURCES, *HEADERS)) + " ".join(flags)).encode()).hexdigest()[:10]
     torch_tag = re.sub(r"[^0-9A-Za-z]+", "_", torch.__version__)
     name = f"firstlight_int4_{isa}_{tag}"
     build_dir = firstlight_home() / "kernels" / f"{name}_torch{torch_tag}"
     build_dir.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
-        name=name, sources=[str(p) for p in SOURCES], extra_cflags=flags, build_directory=str(build_dir),
+        name=name, sources=[str(p) for p in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
         is_python_module=False, verbose=False,
     )
     _loaded.append(isa)

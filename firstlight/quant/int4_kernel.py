@@ -32,12 +32,10 @@ SOURCES = (SOURCE, *(SOURCE.with_name(n) for n in ("f32_gemm.cpp", "paged_attent
 HEADERS = (SOURCE.with_name("firstlight_kernels.h"),)
 BLOCK = 32  # input channels per 16-byte block of nibbles
 # Above this many activation rows, int4_mm dequantizes slabs and calls at::mm; from 6 rows up to it, the
-# dequantized-panel tiles. At 1 thread the panels beat dequantize + mm up to M = 128 (~1.1x, docs/PERFORMANCE.md);
-# at 2 threads the BLAS wins a 128-token prefill (520-538 ms with panels vs 440-462 ms, same minutes), while a
-# batch-32 decode step keeps its panels L2-resident instead of writing every weight out in fp32 (closed loop
-# c=32 through `serve`: 42.3 tok/s with panels at 32 rows, 32.8 without). So 64: decode batches tile, prompts
-# take the BLAS. int4_mm_a8's own tiles (int8 activations) keep 16.
-MAX_TILED_M = 64
+# dequantized-panel tiles. At 2 threads (with the kernels built with OpenMP) a 128-token prefill of SmolLM2 int4
+# takes 313 ms with panels vs 441 ms through the BLAS; at 1,024 rows the two are within this machine's noise
+# (2.1-2.6 s vs 2.6-3.1 s), so prompts longer than 128 tokens keep the BLAS. int4_mm_a8's own tiles keep 16.
+MAX_TILED_M = 128
 A8_MAX_TILED_M = 16
 # int8_mm: the register tiles (fp32 activations) beat dequantize + mm up to at least 128 rows at 1 thread (the
 # head, 49152 x 576: 86 / 111 ms vs 106 / 142 ms at M = 96 / 128), not at 2 (53 vs 85 GFLOP/s at M = 128)

@@ -7,7 +7,7 @@
 //                          (d = scale, m = zero - 8 * scale of the tinygemm form).
 // AVX2 + FMA path under __AVX2__, a scalar path otherwise; both compute each weight as fmaf(q, d, m).
 // M = 1: row_avx2_m1. 2 <= M <= 5: each block unpacked in registers once per output row and reused by a tile
-// of up to 8 activation rows (rows_avx2). 6 <= M <= max_tiled_m (64 from Python): int4_mm_panel, the
+// of up to 8 activation rows (rows_avx2). 6 <= M <= max_tiled_m (128 from Python): int4_mm_panel, the
 // weights of 24 output rows dequantized once into an L2-resident fp32 panel, then register tiles of 3 output
 // rows x 3-4 activation rows (12 accumulators; each x load feeds 3 fmas, each weight load 4). int8_mm, M >= 2:
 // register tiles of NR x MR straight from the int8 rows (no dequantization fma to amortize) with software

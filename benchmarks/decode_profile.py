@@ -2,10 +2,13 @@
 by class (matmul kernels, attention, KV gather/scatter, elementwise, ...), and the rest of the step's
 wall time (Python, dispatch, scheduler, sampler) as overhead.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/decode_profile.py --model smollm2-135m --threads 1 \
-        --quantization int4 --modes eager,compiled
+    PYTHONPATH=. .venv/bin/python benchmarks/decode_profile.py --model smollm2-135m --threads 2 \
+        --quantization int4 --modes eager,native,compiled
 
-One request per mode (eager / compiled decode engines over the same model), prompt 128 random ids,
+Modes: eager = the model's modules op by op (`EngineConfig(native_decode=False)`); native = every layer in one
+firstlight::dense_decode call (engine/native_decode.py; its matmuls, attention and glue are one op to the
+profiler); compiled = `compile_decode=True`.
+One request per mode (engines over the same model), prompt 128 random ids,
 greedy with EOS ignored; each engine runs the prefill and 8 warm-up decode steps (the compiled one
 builds its graph there) before timed rounds that alternate between the modes. Op times are the
 profiler's self CPU time per op, summed per class and divided by the number of steps; "overhead" =
@@ -23,6 +26,7 @@ from collections import defaultdict
 import torch
 
 CLASSES = (  # first match wins; names are aten / quantized op names as the profiler reports them
+    ("native step: all layers (matmuls + glue)", ("firstlight::dense_decode",)),
     ("matmul: int4 packed", ("_weight_int4pack_mm", "firstlight::int4_mm")),  # and int4_mm_a8
     ("matmul: int8 packed", ("_weight_int8pack_mm", "firstlight::int8_mm")),
     ("matmul: fbgemm int8", ("quantized::linear",)),
@@ -51,12 +55,14 @@ def op_class(name: str) -> str:
     return "other ops"
 
 
-def make_engine(model, tok, args: argparse.Namespace, compiled: bool, total: int):
+def make_engine(model, tok, args: argparse.Namespace, mode: str, total: int):
     from firstlight.engine.engine import EngineConfig, LLMEngine
     from firstlight.engine.request import SamplingParams
 
     engine = LLMEngine(model, tok, EngineConfig(block_size=16, num_blocks=256, max_num_seqs=1,
-                                                compile_decode=compiled))
+                                                compile_decode=mode == "compiled", native_decode=mode == "native"))
+    if mode == "native" and engine.runner.native_decode is None:
+        raise SystemExit(f"native mode: the engine declined it ({engine.runner.native_decode_declined})")
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(10, model.config.vocab_size - 10, (args.prompt_len,), generator=g).tolist()
     engine.add_request(prompt, SamplingParams(max_tokens=total, temperature=0.0, ignore_eos=True))
@@ -84,7 +90,7 @@ def profile(engine, steps: int) -> tuple[dict[str, float], list[tuple[str, float
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Eager and compiled engines over one model; timed rounds alternate between them (load drift on a
+    """One engine per mode over one model; timed rounds alternate between them (load drift on a
     shared machine hits both), then each is profiled once."""
     from firstlight.models import hub
     from firstlight.models.loader import load_model
@@ -93,7 +99,7 @@ def run(args: argparse.Namespace) -> dict:
     model, tok = load_model(hub.resolve(args.model))
     report = apply_quantization(model, args.quantization)
     total = 8 + (args.rounds + 1) * args.steps + 8
-    modes = {m: make_engine(model, tok, args, m == "compiled", total) for m in args.modes}
+    modes = {m: make_engine(model, tok, args, m, total) for m in args.modes}
     walls: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(args.rounds):
         for m, (engine, _, _) in modes.items():
@@ -117,7 +123,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=16, help="decode steps per timed round and per profile")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--modes", default="eager,compiled")
+    ap.add_argument("--modes", default="eager,native,compiled")
     args = ap.parse_args()
     args.modes = args.modes.split(",")
     torch.set_num_threads(args.threads)

@@ -23,7 +23,10 @@ from firstlight.engine.request import Request, SamplingParams
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, stepper: ThreadPoolExecutor | None = None) -> None:
+        """stepper: the one-thread executor every step runs on (default: made at start). `serve` passes the one
+        that loaded the model and built the engine, so that a single thread ever runs torch's parallel regions
+        (see `serve` in engine/server.py)."""
         self.engine = engine
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException | _Expired]] = {}
         self._prompt_ids: dict[str, list[int]] = {}
@@ -33,7 +36,7 @@ class AsyncLLM:
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._stepping = False
-        self._stepper: ThreadPoolExecutor | None = None  # the one thread every step runs on
+        self._stepper: ThreadPoolExecutor | None = stepper  # the one thread every step runs on
         self._next_id = 0
         self.errored: BaseException | None = None
 

@@ -568,16 +568,29 @@ def serve(
     dtype: str = "float32", served_name: str | None = None, quantization: str | None = None,
     limits: ServerLimits | None = None, **engine_kwargs: Any,
 ) -> None:
-    """Load the model and run the server until interrupted (blocking)."""
+    """Load the model and run the server until interrupted (blocking).
+
+    The model loads and the engine builds on the thread that then runs every step. libgomp keeps a pool of
+    worker threads per thread that ever ran a parallel region, and once its threads outnumber the cores its
+    barriers spin ~100 times and then sleep in the kernel instead of spinning ~3 ms: a load on the main thread
+    and steps on another gave a 2-thread server 3 threads on 2 cores, and a single-stream int4 decode step
+    of 11 ms in process took 33 ms per token through the server (docs/PERFORMANCE.md)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import uvicorn
 
     from firstlight.engine.engine import EngineConfig, LLMEngine
     from firstlight.engine.llm import load
 
     limits = limits or ServerLimits()
-    m, tok = load(model, dtype, quantization)
-    engine = LLMEngine(m, tok, EngineConfig(trace_path=trace, **engine_kwargs))
-    app = create_app(AsyncLLM(engine), served_name or model, limits)
+
+    def build() -> LLMEngine:
+        m, tok = load(model, dtype, quantization)
+        return LLMEngine(m, tok, EngineConfig(trace_path=trace, **engine_kwargs))
+
+    stepper = ThreadPoolExecutor(1, thread_name_prefix="firstlight-engine")
+    engine = stepper.submit(build).result()
+    app = create_app(AsyncLLM(engine, stepper), served_name or model, limits)
     try:
         uvicorn.Server(uvicorn_config(app, host, port, limits, log_level="warning")).run()
     finally:

@@ -39,6 +39,9 @@ def shutdown_distributed(info: DistInfo) -> None:
     if info.world_size > 1:
         import torch.distributed as dist
 
+        # every rank reaches teardown before any destroys the group: a rank that tore gloo down while its
+        # peer was still saving aborted that peer at exit ("terminate called without an active exception")
+        dist.barrier()
         dist.destroy_process_group()
 
 

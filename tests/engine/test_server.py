@@ -208,6 +208,34 @@ def test_cli_serve_with_trace(tiny_ckpt, tmp_path) -> None:
     assert steps[0].batch.num_prefill_tokens > 0 and steps[-1].batch.num_decode_tokens == 1
 
 
+def test_serve_loads_and_steps_on_one_thread(tiny, monkeypatch) -> None:
+    """The model loads and the engine builds on the stepper thread, the one every step runs on: one thread ever
+    runs torch's parallel regions, so libgomp keeps one worker pool (see `serve`)."""
+    import threading
+
+    import uvicorn
+
+    from firstlight.engine import llm, server
+
+    seen: dict[str, object] = {}
+
+    def fake_load(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen["load"] = threading.current_thread()
+        return tiny
+
+    def fake_create_app(async_llm, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        seen["step"] = async_llm._stepper.submit(threading.current_thread).result()
+        return object()
+
+    monkeypatch.setattr(llm, "load", fake_load)
+    monkeypatch.setattr(server, "create_app", fake_create_app)
+    monkeypatch.setattr(server, "uvicorn_config", lambda *a, **k: None)
+    monkeypatch.setattr(uvicorn.Server, "__init__", lambda self, config: None)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: None)
+    server.serve("tiny")
+    assert seen["load"] is seen["step"] and seen["load"] is not threading.main_thread()
+
+
 def test_cli_serve_bad_model_is_one_line_error(tmp_path) -> None:
     import subprocess
     import sys

@@ -80,6 +80,17 @@ def test_int4_mm_large_m_dequantize_path_matches(kernel_isa, n):
     assert torch.allclose(y, tiled, rtol=1e-5, atol=1e-5)
 
 
+def test_the_library_runs_on_torchs_threads(kernel_isa):
+    """Built with OpenMP: an at::parallel_for of ours runs on torch.set_num_threads threads. Without -fopenmp
+    the header-inlined parallel_for runs serially: every kernel of ours ran on one core whatever the setting."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.ops.firstlight.parallel_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_int4_mm_rejects_bad_shapes(kernel_isa):
     q, scale, zero = _case(16, 64, 32)
     packed, d, mins = int4_kernel.pack_int4(q, scale, zero, 32)

@@ -35,18 +35,19 @@ inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-// y[r, 0..3] for r < MR: four weight rows (w, stride K) against MR activation rows (x, stride ldx).
+// y[r, 0..3] (+)= for r < MR: four weight rows (w, stride ldw) against MR activation rows (x, stride ldx), over K.
 template <int MR>
-void tile_avx2(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy, const float* pf) {
+void tile_avx2(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* y, int64_t ldy,
+               const float* pf, bool add) {
   // named accumulators (an array indexed in loops is kept in memory by GCC: one store per FMA)
   __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
          a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;
   const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx;
-  const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
+  const float *w0 = w, *w1 = w + ldw, *w2 = w + 2 * ldw, *w3 = w + 3 * ldw;
   const int64_t K8 = K & ~int64_t{7};
   for (int64_t k = 0; k < K8; k += 8) {
     if (pf != nullptr && (k & 15) == 0)  // the next block's four rows, one cache line each per two steps
-      for (int n = 0; n < kNR; ++n) _mm_prefetch(reinterpret_cast<const char*>(pf + n * K + k), _MM_HINT_T0);
+      for (int n = 0; n < kNR; ++n) _mm_prefetch(reinterpret_cast<const char*>(pf + n * ldw + k), _MM_HINT_T0);
     const __m256 v0 = _mm256_loadu_ps(x0 + k);
     const __m256 v1 = MR > 1 ? _mm256_loadu_ps(x1 + k) : v0;
     const __m256 v2 = MR > 2 ? _mm256_loadu_ps(x2 + k) : v0;
@@ -72,33 +73,44 @@ void tile_avx2(const float* x, int64_t ldx, const float* w, int64_t K, float* y,
     alignas(16) float s[kNR];
     _mm_store_ps(s, sums[r]);
     for (int64_t k = K8; k < K; ++k)
-      for (int n = 0; n < kNR; ++n) s[n] += x[r * ldx + k] * w[n * K + k];
-    for (int n = 0; n < kNR; ++n) y[r * ldy + n] = s[n];
+      for (int n = 0; n < kNR; ++n) s[n] += x[r * ldx + k] * w[n * ldw + k];
+    for (int n = 0; n < kNR; ++n) y[r * ldy + n] = add ? y[r * ldy + n] + s[n] : s[n];
   }
 }
 #endif
 
 // Portable path, and the last N % 4 output rows: one output row against MR activation rows.
 template <int MR>
-void tile_scalar(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy, int64_t nr) {
+void tile_scalar(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* y, int64_t ldy,
+                 int64_t nr, bool add) {
   for (int64_t n = 0; n < nr; ++n)
     for (int r = 0; r < MR; ++r) {
       float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s += x[r * ldx + k] * w[n * K + k];
-      y[r * ldy + n] = s;
+      for (int64_t k = 0; k < K; ++k) s += x[r * ldx + k] * w[n * ldw + k];
+      y[r * ldy + n] = add ? y[r * ldy + n] + s : s;
     }
 }
 
 template <int MR>
-void tile(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy, int64_t nr,
-          const float* pf = nullptr) {
+void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* y, int64_t ldy, int64_t nr,
+          const float* pf, bool add) {
 #ifdef __AVX2__
-  if (nr == kNR) return tile_avx2<MR>(x, ldx, w, K, y, ldy, pf);
+  if (nr == kNR) return tile_avx2<MR>(x, ldx, w, ldw, K, y, ldy, pf, add);
 #endif
-  tile_scalar<MR>(x, ldx, w, K, y, ldy, nr);
+  tile_scalar<MR>(x, ldx, w, ldw, K, y, ldy, nr, add);
 }
 
 }  // namespace
+
+void firstlight::f32_block(const float* x, int64_t ldx, int64_t M, const float* w, int64_t ldw, int64_t K, float* y,
+                           int64_t ldy, int64_t nr, bool add, const float* pf) {
+  // the first activation tile streams the block from memory (and prefetches pf); the others find it in L1
+  const int64_t mr = M % 3 == 0 ? 3 : M % 3;
+  if (mr == 3) tile<3>(x, ldx, w, ldw, K, y, ldy, nr, pf, add);
+  if (mr == 2) tile<2>(x, ldx, w, ldw, K, y, ldy, nr, pf, add);
+  if (mr == 1) tile<1>(x, ldx, w, ldw, K, y, ldy, nr, pf, add);
+  for (int64_t r = mr; r < M; r += 3) tile<3>(x + r * ldx, ldx, w, ldw, K, y + r * ldy, ldy, nr, nullptr, add);
+}
 
 at::Tensor f32_mm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                   int64_t max_tiled_m) {
@@ -120,13 +132,7 @@ at::Tensor f32_mm(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n = b * kNR, nr = std::min(kNR, N - n);
       const float* wb = wp + n * K;
-      // the first activation tile streams the block from memory and prefetches the next block's rows
-      const float* pf = n + 2 * kNR <= N ? wb + kNR * K : nullptr;
-      const int64_t mr = M % 3 == 0 ? 3 : M % 3;
-      if (mr == 3) tile<3>(xp, K, wb, K, yp + n, N, nr, pf);
-      if (mr == 2) tile<2>(xp, K, wb, K, yp + n, N, nr, pf);
-      if (mr == 1) tile<1>(xp, K, wb, K, yp + n, N, nr, pf);
-      for (int64_t r = mr; r < M; r += 3) tile<3>(xp + r * K, K, wb, K, yp + r * N + n, N, nr);
+      firstlight::f32_block(xp, K, M, wb, K, K, yp + n, N, nr, false, n + 2 * kNR <= N ? wb + kNR * K : nullptr);
     }
   });
   if (bias.has_value()) y.add_(bias->to(at::kFloat));

@@ -23,6 +23,11 @@ at::Tensor f32_mm(const at::Tensor& x, const at::Tensor& w, const c10::optional<
 
 namespace firstlight {
 
+// f32_gemm.cpp: y[t, n] (+= with add) sum_k w[n, k] x[t, k] for n < nr (<= 4 output rows, stride ldw) and t < M
+// (activation rows, stride ldx), k < K, in register tiles of 4 x 3; pf: rows to prefetch meanwhile (or nullptr).
+void f32_block(const float* x, int64_t ldx, int64_t M, const float* w, int64_t ldw, int64_t K, float* y,
+               int64_t ldy, int64_t nr, bool add, const float* pf);
+
 // paged_attention.cpp: out[b, h] (row stride ldo) = softmax over the visible keys of row b of
 // scale * q[b, h] . k, times v; q row b at q + b * ldq ([H, D] contiguous), keys/values at pools
 // [nslots, Hkv, D] rows slots[b * L + l], mask [B, L] (nullptr: all visible). Threads over (row, KV head).

@@ -8,8 +8,8 @@
 // AVX2 + FMA path under __AVX2__, a scalar path otherwise; both compute each weight as fmaf(q, d, m).
 // M = 1: row_avx2_m1. 2 <= M <= 5: each block unpacked in registers once per output row and reused by a tile
 // of up to 8 activation rows (rows_avx2). 6 <= M <= max_tiled_m (128 from Python): int4_mm_panel, the
-// weights of 24 output rows dequantized once into an L2-resident fp32 panel, then register tiles of 3 output
-// rows x 3-4 activation rows (12 accumulators; each x load feeds 3 fmas, each weight load 4). int8_mm, M >= 2:
+// weights of 24 output rows dequantized once into an L2-resident fp32 panel, then multiplied as fp32 weights by
+// f32_mm's micro-kernel (f32_gemm.cpp f32_block: 4 output x 3 activation rows, 12 accumulators). int8_mm, M >= 2:
 // register tiles of NR x MR straight from the int8 rows (no dequantization fma to amortize) with software
 // prefetch. Figures (benchmarks/int4_kernel.py --threads 1, 1 thread, same-run vs the earlier per-row tiles):
 // int4 M = 8: 1.0-1.3x, M = 16-32: 1.1-1.5x (48-61 GFLOP/s; ~70 peak); int8 M = 2-64: 1.2-1.5x (50-65 GFLOP/s).
@@ -168,8 +168,7 @@ void row_avx2_m1(const float* xt, const float* xs, const uint8_t* wq, const floa
 // ---- Batched decode, 6 <= M <= max_tiled_m (kPanelMinM): per chunk of kTileRows output rows (and K chunk),
 // the weights are dequantized once (the same fma(q, d, m) per weight) into a per-thread fp32 panel that stays
 // in L2, and every activation row reads it there: the unpack is paid once per weight, not once per weight and
-// M tile. The panel times x runs register tiles of NR output rows x MR activation rows (NR * MR accumulators
-// of 8 lanes along K, reduced at the end): per 8 channels NR panel loads and MR x loads feed NR * MR fmas.
+// M tile. The panel times x is f32_block's: per 4 panel rows (in L1) every activation row, 3 at a time.
 // Below kPanelMinM rows the panel's store and reload (~1.2-1.6 cycles per 8 weights) cost more than
 // unpacking in registers per row (rows_avx2, tiles of up to 8 activation rows).
 
@@ -182,27 +181,6 @@ inline void hsums(const __m256* acc, float* out) {
     _mm_storeu_ps(out + i, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
   }
   for (; i < C; ++i) out[i] = hsum(acc[i]);
-}
-
-// y[t, n + r] (+)= sum_k w[r, k] x[t, k], r < NR, t < MR, k < len.
-template <int NR, int MR>
-void f32_tile(const float* w, int64_t ldw, const float* x, int64_t ldx, int64_t len, float* y, int64_t ldy,
-              int64_t n, bool add) {
-  __m256 acc[NR][MR];
-  for (int r = 0; r < NR; ++r)
-    for (int t = 0; t < MR; ++t) acc[r][t] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < len; k += 8) {
-    __m256 wv[NR];
-    for (int r = 0; r < NR; ++r) wv[r] = _mm256_loadu_ps(w + r * ldw + k);
-    for (int t = 0; t < MR; ++t) {
-      const __m256 xv = _mm256_loadu_ps(x + t * ldx + k);
-      for (int r = 0; r < NR; ++r) acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
-    }
-  }
-  float out[NR * MR];
-  hsums<NR * MR>(&acc[0][0], out);
-  for (int r = 0; r < NR; ++r)
-    for (int t = 0; t < MR; ++t) y[t * ldy + n + r] = add ? y[t * ldy + n + r] + out[r * MR + t] : out[r * MR + t];
 }
 
 // int4 rows n0..n1, blocks kb0..kb1 -> fp32 out [n1 - n0, ldo]: w = fma(q, d, m) (int4_dequant's too).
@@ -237,26 +215,12 @@ constexpr int64_t kPanelBytes = 144 << 10;  // of the 512 KiB L2; longer K is sp
 
 constexpr int nr_for(int mr) { return mr <= 2 ? 4 : 3; }
 
-template <int MR>
-void f32_rows(const float* w, int64_t ldw, const float* x, int64_t ldx, int64_t len, float* y, int64_t ldy,
-              int64_t n0, int64_t n1, bool add) {
-  constexpr int NR = nr_for(MR);
-  int64_t n = n0;
-  for (; n + NR <= n1; n += NR) f32_tile<NR, MR>(w + (n - n0) * ldw, ldw, x, ldx, len, y, ldy, n, add);
-  for (; n < n1; ++n) f32_tile<1, MR>(w + (n - n0) * ldw, ldw, x, ldx, len, y, ldy, n, add);
-}
-
-using F32RowsFn = decltype(&f32_rows<1>);
-constexpr F32RowsFn kF32Rows[] = {f32_rows<1>, f32_rows<2>, f32_rows<3>, f32_rows<4>};
-static_assert(sizeof(kF32Rows) / sizeof(kF32Rows[0]) == kMaxMR, "one tile function per M tile height");
-
 void int4_mm_panel(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* wq, const float* d,
                    const float* m, int64_t G, float* y) {
   const int64_t nblocks = K / kBlock, bpg = G / kBlock;
   const int64_t fit = kPanelBytes / (kTileRows * kBlock * 4);  // blocks of a full panel
   const int64_t chunks = (nblocks + fit - 1) / fit;
   const int64_t cb = std::max<int64_t>(1, (nblocks / bpg + chunks - 1) / chunks) * bpg;  // whole groups
-  const int64_t tiles = (M + kMaxMR - 1) / kMaxMR;
   at::parallel_for(0, N, kTileRows, [&](int64_t n0, int64_t n1) {
     thread_local std::vector<float> buf;
     buf.resize(static_cast<size_t>(kTileRows * cb * kBlock));
@@ -265,11 +229,9 @@ void int4_mm_panel(const float* x, int64_t M, int64_t K, int64_t N, const uint8_
       for (int64_t kb0 = 0; kb0 < nblocks; kb0 += cb) {
         const int64_t kb1 = std::min(kb0 + cb, nblocks), len = (kb1 - kb0) * kBlock;
         dequant_int4_avx2(wq, d, m, K, G, c0, c1, kb0, kb1, buf.data(), len);
-        for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
-          const int mt = static_cast<int>(M / tiles + (t < M % tiles ? 1 : 0));
-          kF32Rows[mt - 1](buf.data(), len, x + r0 * K + kb0 * kBlock, K, len, y + r0 * N, N, c0, c1, kb0 > 0);
-          r0 += mt;
-        }
+        for (int64_t n = c0; n < c1; n += 4)  // the panel as fp32 weights: f32_mm's micro-kernel
+          firstlight::f32_block(x + kb0 * kBlock, K, M, buf.data() + (n - c0) * len, len, len, y + n, N,
+                                std::min<int64_t>(4, c1 - n), kb0 > 0, nullptr);
       }
     }
   });
@@ -836,7 +798,20 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   return y;
 }
 
+// How many threads an at::parallel_for of this library runs on (torch.set_num_threads of them when the library
+// was built with OpenMP; 1 when it was not, whatever torch's setting: the check of tests/quant/test_int4_kernel.py).
+int64_t parallel_threads() {
+  std::vector<char> seen(static_cast<size_t>(at::get_num_threads()) + 1, 0);
+  at::parallel_for(0, 1 << 12, 1, [&](int64_t, int64_t) {
+    seen[static_cast<size_t>(std::min<int64_t>(at::get_thread_num(), static_cast<int64_t>(seen.size()) - 1))] = 1;
+  });
+  int64_t n = 0;
+  for (char c : seen) n += c;
+  return n;
+}
+
 TORCH_LIBRARY(firstlight, lib) {
+  lib.def("parallel_threads() -> int", &parallel_threads);
   lib.def("int4_mm(Tensor x, Tensor packed, Tensor scales, Tensor mins, int group_size, int max_tiled_m) -> Tensor");
   lib.def("int4_mm_a8(Tensor x, Tensor packed, Tensor scales, Tensor mins, int group_size, int max_tiled_m) -> Tensor");
   lib.def("int8_mm(Tensor x, Tensor qweight, Tensor scales, bool act_int8, int max_tiled_m) -> Tensor");

@@ -8,7 +8,7 @@ wall time (Python, dispatch, scheduler, sampler) as overhead.
 Modes: eager = the model's modules op by op (`EngineConfig(native_decode=False)`); native = every layer in one
 firstlight::dense_decode call (engine/native_decode.py; its matmuls, attention and glue are one op to the
 profiler); compiled = `compile_decode=True`.
-One request per mode (engines over the same model), prompt 128 random ids,
+--batch requests per mode (default 1; engines over the same model), prompts of 128 random ids,
 greedy with EOS ignored; each engine runs the prefill and 8 warm-up decode steps (the compiled one
 builds its graph there) before timed rounds that alternate between the modes. Op times are the
 profiler's self CPU time per op, summed per class and divided by the number of steps; "overhead" =
@@ -59,13 +59,14 @@ def make_engine(model, tok, args: argparse.Namespace, mode: str, total: int):
     from firstlight.engine.engine import EngineConfig, LLMEngine
     from firstlight.engine.request import SamplingParams
 
-    engine = LLMEngine(model, tok, EngineConfig(block_size=16, num_blocks=256, max_num_seqs=1,
+    engine = LLMEngine(model, tok, EngineConfig(block_size=16, num_blocks=64 + 32 * args.batch, max_num_seqs=args.batch,
                                                 compile_decode=mode == "compiled", native_decode=mode == "native"))
     if mode == "native" and engine.runner.native_decode is None:
         raise SystemExit(f"native mode: the engine declined it ({engine.runner.native_decode_declined})")
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(10, model.config.vocab_size - 10, (args.prompt_len,), generator=g).tolist()
-    engine.add_request(prompt, SamplingParams(max_tokens=total, temperature=0.0, ignore_eos=True))
+    for _ in range(args.batch):
+        prompt = torch.randint(10, model.config.vocab_size - 10, (args.prompt_len,), generator=g).tolist()
+        engine.add_request(prompt, SamplingParams(max_tokens=total, temperature=0.0, ignore_eos=True))
     t0 = time.perf_counter()
     engine.step()  # prefill
     ttft = time.perf_counter() - t0
@@ -121,6 +122,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quantization", default="int4")
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1, help="requests decoding together (default: single stream)")
     ap.add_argument("--steps", type=int, default=16, help="decode steps per timed round and per profile")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--modes", default="eager,native,compiled")
@@ -129,7 +131,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     r = run(args)
     load = os.getloadavg()
-    print(f"{args.model} {args.quantization} ({r['kernel']}), {args.threads} thread(s), load average "
+    print(f"{args.model} {args.quantization} ({r['kernel']}), batch {args.batch}, {args.threads} thread(s), load average "
           f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} CPUs; step = median of "
           f"{args.rounds} x {args.steps} alternating decode steps; op times from one profiled block of {args.steps}")
     modes = r["modes"]
@@ -145,7 +147,7 @@ def main() -> None:
         f"{v['step_ms'] - sum(v['by_class'].values()):12.2f} "
         f"{(v['step_ms'] - sum(v['by_class'].values())) / v['step_ms']:6.1%}" for v in modes.values()))
     for m, v in modes.items():
-        print(f"{m}: {1e3 / v['step_ms']:.1f} tok/s; prefill {v['ttft_ms']:.0f} ms; first 8 decode steps "
+        print(f"{m}: {args.batch * 1e3 / v['step_ms']:.1f} tok/s; prefill {v['ttft_ms']:.0f} ms; first 8 decode steps "
               f"{v['warmup_s']:.1f} s (compile included); graphs {v['graphs']}")
         print("  top ops (ms/step): " + ", ".join(f"{k[:48]} {t:.2f}" for k, t in v["top"]))
 

@@ -1,4 +1,4 @@
-"""fp32 linears at decode-sized batches: firstlight::f32_mm (quant/kernels/f32_gemm.cpp) vs torch's
+"""fp32 linears at decode-sized batches: firstlight::f32_mm (kernels/csrc/f32_gemm.cpp) vs torch's
 F.linear (the BLAS torch ships: MKL here) over one decode step's weights of SmolLM2-135M (30 layers x
 qkv/o/gate_up/down, then the tied 49152 x 576 head), cold: each weight is used once per pass, as in a
 decode step, so it streams from memory.
@@ -38,10 +38,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from firstlight.quant import int4_kernel
+    from firstlight import kernels
 
-    if int4_kernel.load_kernel() is None:
-        raise SystemExit("firstlight's kernel extension is not in use here (FIRSTLIGHT_INT4_KERNEL / build)")
+    if kernels.load_kernel() is None:
+        raise SystemExit("firstlight's kernel extension is not in use here (FIRSTLIGHT_CPU_KERNELS / build)")
     torch.manual_seed(0)
     weights = [torch.randn(n, k) * 0.02 for _ in range(LAYERS) for n, k in SHAPES] + [torch.randn(*HEAD) * 0.02]
     wbytes = sum(w.numel() * 4 for w in weights)
@@ -55,7 +55,7 @@ def main() -> None:
         flops = sum(2 * m * w.numel() for w in weights)
         t_ref, t_ours = [], []
         for _ in range(args.repeats):
-            for fn, out in ((lambda x, w: torch.nn.functional.linear(x, w), t_ref), (int4_kernel.f32_mm, t_ours)):
+            for fn, out in ((lambda x, w: torch.nn.functional.linear(x, w), t_ref), (kernels.f32_mm, t_ours)):
                 t0 = time.perf_counter()
                 for x, w in zip(xs, weights, strict=True):
                     fn(x, w)

@@ -3,9 +3,9 @@ torch's aten._weight_int4pack_mm_for_cpu vs fp32 torch.mm, at SmolLM2-135M's lin
 threads; then the int8 weight-only kernel (firstlight::int8_mm, fp32 / int8 activations) vs
 aten._weight_int8pack_mm (bf16 activations) at the tied LM head's shape and one layer's.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/int4_kernel.py --threads 1
-    PYTHONPATH=. .venv/bin/python benchmarks/int4_kernel.py --threads 2 --ms 1,4,8,32,128
-    PYTHONPATH=. .venv/bin/python benchmarks/int4_kernel.py --threads 1 --step     # one decode step's int4 matmuls
+    PYTHONPATH=. .venv/bin/python benchmarks/kernels.py --threads 1
+    PYTHONPATH=. .venv/bin/python benchmarks/kernels.py --threads 2 --ms 1,4,8,32,128
+    PYTHONPATH=. .venv/bin/python benchmarks/kernels.py --threads 1 --step     # one decode step's int4 matmuls
 
 Each cell: the median of --repeats rounds; a round times every kernel of the row once, one after the
 other (each sample loops enough calls to last ~2 ms), so load from other processes hits them alike.
@@ -50,7 +50,7 @@ INT8_SHAPES = ((576, 49152), (576, 1536))  # the tied LM head; one MLP projectio
 
 
 def int8_rows(args: argparse.Namespace, rows: list[dict]) -> None:
-    from firstlight.quant import int4_kernel as ik
+    from firstlight import kernels as ik
     from firstlight.quant.int8 import quantize_per_channel_int8
 
     print(f"\nint8 weight-only {'K->N':>12} {'M':>4} {'f32 us':>8} {'a8 us':>8} {'aten us':>9} {'aten/f32':>8} "
@@ -79,7 +79,7 @@ def step_rows(args: argparse.Namespace) -> None:
     """The int4 matmuls of one SmolLM2-135M decode step (30 layers x 7 at M = 1), int4_mm vs int4_mm_a8,
     alternating per round: with 30 distinct layers (53 MB: weights stream from DRAM) and with 2 layers
     reused (cache-resident), to tell bandwidth from instructions."""
-    from firstlight.quant import int4_kernel as ik
+    from firstlight import kernels as ik
     from firstlight.quant.int4 import quantize_groupwise_int4
 
     xs = {576: torch.randn(1, 576), 1536: torch.randn(1, 1536)}
@@ -119,9 +119,9 @@ def main() -> None:
     ap.add_argument("--step", action="store_true", help="only the per-step float vs int8-activation A/B")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    os.environ.setdefault("FIRSTLIGHT_INT4_KERNEL", "firstlight")
+    os.environ.setdefault("FIRSTLIGHT_CPU_KERNELS", "firstlight")
 
-    from firstlight.quant import int4_kernel as ik
+    from firstlight import kernels as ik
     from firstlight.quant.int4 import quantize_groupwise_int4
 
     isa = ik.load_kernel()

@@ -1,4 +1,4 @@
-"""The decode step of a dense decoder in one native call (firstlight::dense_decode, quant/kernels/dense_decode.cpp).
+"""The decode step of a dense decoder in one native call (firstlight::dense_decode, kernels/csrc/dense_decode.cpp).
 
 At batch 1 the eager decode step of SmolLM2-135M int4 spent 15 ms in matmul kernels and 29 ms in the ~30 small
 ops per layer around them (norms, rope, views, the K/V store, activation, residual adds: each a Python call and a
@@ -6,7 +6,8 @@ dispatcher hop). `NativeDecode` registers the model's weights and the runner's K
 of a decode step (one new token per row) in C++: the same matmul and paged-attention kernels the modules call, the
 glue as plain loops. The embedding and the LM head stay the model's own modules.
 
-It applies to models/dense.py's decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2) in fp32 on CPU, with fp32 paged
+It applies to models/dense.py's decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2) and models/gemma3.py's (Gemma 3:
+(1 + w) norms, norms of the sublayer outputs, tanh-GELU, a rope per layer type) in fp32 on CPU, with fp32 paged
 pools and linears our kernels take: fp32 (nn.Linear / F32Linear), int4, w4a8, int8, int8 with int8 activations.
 `NativeDecode.build` returns (None, why) for anything else and the runner keeps the module path, so a family or a
 format it does not know still runs, and runs exactly as before.
@@ -20,9 +21,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from firstlight import kernels
 from firstlight.models.dense import DecoderLayer, DenseDecoder
-from firstlight.models.layers import Attention, CausalLM, GatedMLP, RMSNorm
-from firstlight.quant import int4_kernel
+from firstlight.models.gemma3 import Gemma3, Gemma3Layer
+from firstlight.models.layers import Attention, CausalLM, GatedMLP, GemmaRMSNorm, RMSNorm
 from firstlight.quant.f32 import F32Linear
 from firstlight.quant.int4 import Int4WeightOnlyLinear
 from firstlight.quant.int8 import Int8WeightOnlyLinear
@@ -54,11 +56,23 @@ def _linear(module: nn.Module) -> tuple[int, int, list[torch.Tensor]] | str:
 
 
 def _norm(module: nn.Module | None) -> torch.Tensor | str:
+    """The w of w * (x / rms(x)): RMSNorm's weight (shared), GemmaRMSNorm's 1 + weight (a copy, fp32 as it computes)."""
     if module is None:
         return _NONE
-    if type(module) is not RMSNorm or module.weight.dtype != torch.float32:
+    if type(module) not in (RMSNorm, GemmaRMSNorm) or module.weight.dtype != torch.float32:
         return f"a {type(module).__name__} norm"
-    return module.weight.detach().contiguous()
+    w = module.weight.detach()
+    return (1.0 + w) if type(module) is GemmaRMSNorm else w.contiguous()
+
+
+def _layer_norms(layer: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module | None, nn.Module | None] | None:
+    """(input norm, pre-MLP norm, attention output norm, MLP output norm) of a layer the native step runs."""
+    if type(layer) is DecoderLayer:
+        return layer.input_layernorm, layer.post_attention_layernorm, None, None
+    if type(layer) is Gemma3Layer:
+        return (layer.input_layernorm, layer.pre_feedforward_layernorm, layer.post_attention_layernorm,
+                layer.post_feedforward_layernorm)
+    return None
 
 
 class NativeDecode:
@@ -76,12 +90,10 @@ class NativeDecode:
     def build(cls, model: nn.Module, k_pools: list[torch.Tensor],
               v_pools: list[torch.Tensor]) -> tuple[NativeDecode | None, str]:
         """The plan for this model and these pools, or (None, the reason it does not apply)."""
-        if int4_kernel.load_kernel() is None:
+        if kernels.load_kernel() is None:
             return None, "firstlight's kernel extension is not in use"
-        if not isinstance(model, DenseDecoder) or any(
-                getattr(type(model), name) is not getattr(CausalLM, name)
-                for name in ("forward_hidden", "embed", "rope_tables", "masks")):
-            return None, f"{type(model).__name__} is not models/dense.py's decoder"
+        if type(model) not in (DenseDecoder, Gemma3):
+            return None, f"{type(model).__name__} is not models/dense.py's or gemma3.py's decoder"
         cfg = model.config
         if cfg.hidden_act not in ACTS:
             return None, f"activation {cfg.hidden_act}"
@@ -94,18 +106,19 @@ class NativeDecode:
             return None, final
         tensors.append(final)
         ints = [cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-                ACTS[cfg.hidden_act], int4_kernel.F32_MAX_TILED_M, int4_kernel.MAX_TILED_M,
-                int4_kernel.A8_MAX_TILED_M, int4_kernel.INT8_MAX_TILED_M]
+                ACTS[cfg.hidden_act], kernels.F32_MAX_TILED_M, kernels.MAX_TILED_M,
+                kernels.A8_MAX_TILED_M, kernels.INT8_MAX_TILED_M]
         scales = set()
         for i, layer in enumerate(model.layers):
-            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-            if type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not GatedMLP:
+            attn, mlp, norms = getattr(layer, "self_attn", None), getattr(layer, "mlp", None), _layer_norms(layer)
+            if norms is None or type(attn) is not Attention or type(mlp) is not GatedMLP:
                 return None, f"layer {i} is a {type(layer).__name__}"
             if attn.output_gate or mlp.intermediate != cfg.intermediate_size:
                 return None, f"layer {i}: gated attention output or its own MLP width"
             scales.add(attn.scale)
             ints += [kv_types.index(layer.layer_type), int(attn.use_rope)]
-            for norm in (layer.input_layernorm, attn.q_norm, attn.k_norm, layer.post_attention_layernorm):
+            in_norm, pre_mlp, attn_out, mlp_out = norms
+            for norm in (in_norm, attn.q_norm, attn.k_norm, pre_mlp, attn_out, mlp_out):
                 got = _norm(norm)
                 if isinstance(got, str):
                     return None, f"layer {i}: {got}"

@@ -43,11 +43,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from firstlight import kernels
 from firstlight.core.batch import Batch, ScheduledSeq
 from firstlight.engine.native_decode import NativeDecode
 from firstlight.engine.request import Request
 from firstlight.models.states import state_shapes
-from firstlight.quant import int4_kernel
 from firstlight.quant.kv import KV_FORMATS, dequantize_kv, quantize_kv
 
 KV_CACHE_DTYPES = ("auto", *KV_FORMATS)
@@ -150,7 +150,7 @@ class PagedKVCache:
         view = self._layer_views[layer]
         self._store(layer, view, *self._new_rows(k, v))
         batch, heads, _, head_dim = q.shape
-        out = int4_kernel.paged_decode_attention(
+        out = kernels.paged_decode_attention(
             q.reshape(batch, heads, head_dim), self.k_pools[layer], self.v_pools[layer], view.gather_slots,
             None if mask is None else mask.reshape(batch, -1), scale)
         return out.view(batch, heads, 1, head_dim)
@@ -341,7 +341,7 @@ class ModelRunner:
 
         # decode attention over the pools in place (firstlight::paged_decode_attention), where it applies
         self.paged_attention = (paged_attention and self.device.type == "cpu" and pool_dtype == torch.float32
-                                and int4_kernel.load_kernel() is not None)
+                                and kernels.load_kernel() is not None)
         self.k_pools = kv_pools((cfg.num_kv_heads, cfg.head_dim), pool_dtype)
         self.v_pools = kv_pools((cfg.num_kv_heads, cfg.head_dim), pool_dtype)
         self.scale_pools: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None

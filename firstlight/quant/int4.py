@@ -8,10 +8,10 @@ For output row n and group g (input channels g*G .. g*G+G-1), with lo/hi the gro
     Q[n, k]     = clamp(round((W[n, k] - lo) / scale), 0, 15)
     W~[n, k]    = (Q[n, k] - 8) * scale[g, n] + zero[g, n]
 
-Kernels: CPU, by default firstlight's own `firstlight::int4_mm` (quant/kernels/int4_gemv.cpp, built at
-first use, see quant/int4_kernel.py): the same codes, scales and zeros, packed as 16-byte blocks of 32
+Kernels: CPU, by default firstlight's own `firstlight::int4_mm` (kernels/csrc/int4_gemv.cpp, built at
+first use, see quant/kernels.py): the same codes, scales and zeros, packed as 16-byte blocks of 32
 channels with fp32 d = scale, m = zero - 8 * scale per group; activations stay fp32. If it cannot be
-built (or FIRSTLIGHT_INT4_KERNEL=aten): `aten._convert_weight_to_int4pack_for_cpu(Q int32 [N, K], 1)`
+built (or FIRSTLIGHT_CPU_KERNELS=aten): `aten._convert_weight_to_int4pack_for_cpu(Q int32 [N, K], 1)`
 packs two codes per byte, `aten._weight_int4pack_mm_for_cpu(x, packed, G, scales_and_zeros [K/G, N, 2])`
 multiplies; as for int8, its vectorized CPU path is the bf16 one, so activations enter in bfloat16.
 The scales and zeros are rounded to the compute dtype (bf16 on CPU by default) either way, so both
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from firstlight.quant import int4_kernel
+from firstlight import kernels
 from firstlight.quant.base import QuantizedModule, flatten_tokens, resolve_compute_dtype
 from firstlight.quant.registry import QuantFormat, QuantizationError, register_format, unsupported
 
@@ -131,11 +131,11 @@ class Int4WeightOnlyLinear(QuantizedModule):
         q, scale, zero = quantize_groupwise_int4(linear.weight, group_size, clip_search, compute_dtype, params)
         self.on_cuda = linear.weight.device.type == "cuda"
         # firstlight's kernel on CPU when it is built (kernel_path decided which; the same test here)
-        self.ours = not self.on_cuda and int4_kernel.load_kernel() is not None
+        self.ours = not self.on_cuda and kernels.load_kernel() is not None
         if activations == "int8" and not self.ours:
             raise QuantizationError("int4 with int8 activations needs firstlight's CPU int4 kernel (w4a8)")
         if self.ours:
-            packed, d, m = int4_kernel.pack_int4(q, scale, zero, group_size)
+            packed, d, m = kernels.pack_int4(q, scale, zero, group_size)
             self.register_buffer("packed", packed)  # uint8 [N, K/2]
             self.register_buffer("scales", d)  # fp32 [N, K/G]
             self.register_buffer("mins", m)  # fp32 [N, K/G]
@@ -152,7 +152,7 @@ class Int4WeightOnlyLinear(QuantizedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ours:
             x2 = flatten_tokens(x, torch.float32)  # [M, K]
-            mm = int4_kernel.int4_mm_a8 if self.activations == "int8" else int4_kernel.int4_mm
+            mm = kernels.int4_mm_a8 if self.activations == "int8" else kernels.int4_mm
             y = mm(x2, self.packed, self.scales, self.mins, self.group_size)
         else:
             x2 = flatten_tokens(x, self.compute_dtype)  # [M, K]
@@ -165,7 +165,7 @@ class Int4WeightOnlyLinear(QuantizedModule):
 
     def dequantized_weight(self) -> torch.Tensor:
         if self.ours:  # the kernel's own fma(q, d, m) per weight
-            return int4_kernel.int4_dequant(self.packed, self.scales, self.mins, self.group_size)
+            return kernels.int4_dequant(self.packed, self.scales, self.mins, self.group_size)
         # Run the kernel on the identity: row k of the result is W~[:, k], exactly as the kernel sees it.
         eye = torch.eye(self.in_features, dtype=self.compute_dtype, device=self.packed.device)
         if self.on_cuda:
@@ -196,7 +196,7 @@ class Int4WeightOnly(QuantFormat):
     def kernel_path(self, device: torch.device, dtype: torch.dtype) -> str:
         cdt = resolve_compute_dtype(self.compute_dtype, device, dtype, torch.bfloat16)
         if device.type == "cpu":
-            isa = int4_kernel.load_kernel()
+            isa = kernels.load_kernel()
             if isa is not None:
                 return f"firstlight::int4_mm ({isa}, group {self.group_size}, float32 activations)"
             return f"aten._weight_int4pack_mm_for_cpu (group {self.group_size}, {str(cdt).removeprefix('torch.')} activations)"
@@ -211,7 +211,7 @@ class Int4WeightOnly(QuantFormat):
     def buffer_layout(self, device: torch.device) -> str:
         """'' for aten's packing (the layout GPTQ caches were keyed without), else our kernel's: a cache of
         quantized buffers saved under one layout is not loaded under the other."""
-        return "firstlight-int4-v1" if device.type == "cpu" and int4_kernel.load_kernel() is not None else ""
+        return "firstlight-int4-v1" if device.type == "cpu" and kernels.load_kernel() is not None else ""
 
     def check_linear(self, linear: nn.Linear) -> None:
         n, k = linear.out_features, linear.in_features
@@ -219,7 +219,7 @@ class Int4WeightOnly(QuantFormat):
             fits = [g for g in GROUP_SIZES if k % g == 0]
             hint = f"use group_size one of {fits}" if fits else "skip this layer"
             raise QuantizationError(f"int4: in_features {k} is not a multiple of group_size {self.group_size}; {hint}")
-        ours = linear.weight.device.type == "cpu" and int4_kernel.load_kernel() is not None
+        ours = linear.weight.device.type == "cpu" and kernels.load_kernel() is not None
         if n % N_MULTIPLE and not ours:
             raise QuantizationError(f"int4: out_features {n} is not a multiple of {N_MULTIPLE} (packed kernel layout); skip this layer")
 

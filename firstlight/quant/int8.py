@@ -4,8 +4,8 @@
     Q[n, k]  = clamp(round(W[n, k] / scale[n]), -127, 127)      (int8)
     y        = (x @ Q^T) * scale + bias
 
-Kernel: on CPU, by default firstlight's `firstlight::int8_mm` (quant/kernels/int4_gemv.cpp, the same
-extension and FIRSTLIGHT_INT4_KERNEL switch as int4; in_features a multiple of 32): the same Q and scale,
+Kernel: on CPU, by default firstlight's `firstlight::int8_mm` (kernels/csrc/int4_gemv.cpp, the same
+extension and FIRSTLIGHT_CPU_KERNELS switch as int4; in_features a multiple of 32): the same Q and scale,
 fp32 activations, or with activations="int8" (the tied head of w4a8) activations rounded to int8 per block
 of 32 and integer dot products. Otherwise `torch.ops.aten._weight_int8pack_mm(x [M, K], Q [N, K] int8,
 scale [N])` on CPU and CUDA. On CPU in torch 2.13 its vectorized path is the bf16 one: fp32 activations take a slow path (about
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from firstlight.quant import int4_kernel
+from firstlight import kernels
 from firstlight.quant.base import QuantizedModule, flatten_tokens, resolve_compute_dtype
 from firstlight.quant.registry import QuantFormat, QuantizationError, register_format, unsupported
 
@@ -64,8 +64,8 @@ class Int8ChannelGrid:
 
 def uses_our_int8_kernel(linear: nn.Linear) -> bool:
     """firstlight::int8_mm takes this layer: CPU, in_features % 32 == 0, the extension in use."""
-    return (linear.weight.device.type == "cpu" and linear.in_features % int4_kernel.BLOCK == 0
-            and int4_kernel.load_kernel() is not None)
+    return (linear.weight.device.type == "cpu" and linear.in_features % kernels.BLOCK == 0
+            and kernels.load_kernel() is not None)
 
 
 class Int8WeightOnlyLinear(QuantizedModule):
@@ -81,7 +81,7 @@ class Int8WeightOnlyLinear(QuantizedModule):
             raise QuantizationError("int8 activations need firstlight's CPU kernel (in_features a multiple of 32)")
         self.activations = activations
         if self.ours:
-            kernel = f"firstlight::int8_mm ({int4_kernel.load_kernel()}, {'int8' if activations == 'int8' else 'float32'} activations)"
+            kernel = f"firstlight::int8_mm ({kernels.load_kernel()}, {'int8' if activations == 'int8' else 'float32'} activations)"
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.compute_dtype, self.kernel = compute_dtype, kernel
         q, scale = quantize_per_channel_int8(linear.weight, None if params is None else params[0], compute_dtype)
@@ -91,7 +91,7 @@ class Int8WeightOnlyLinear(QuantizedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ours:
-            y = int4_kernel.int8_mm(flatten_tokens(x, torch.float32), self.qweight, self.scales, self.activations == "int8")
+            y = kernels.int8_mm(flatten_tokens(x, torch.float32), self.qweight, self.scales, self.activations == "int8")
         else:
             x2 = flatten_tokens(x, self.compute_dtype)  # [M, K]
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)  # [M, N]
@@ -145,11 +145,11 @@ class Int8WeightOnly(QuantFormat):
 
     def kernel_path(self, device: torch.device, dtype: torch.dtype) -> str:
         cdt = resolve_compute_dtype(self.compute_dtype, device, dtype, torch.bfloat16)
-        isa = int4_kernel.load_kernel() if device.type == "cpu" else None
+        isa = kernels.load_kernel() if device.type == "cpu" else None
         if self.activations == "int8":
             if isa is None:
                 raise unsupported(self.name, device, dtype, "int8 activations need firstlight's CPU kernel "
-                                  f"({int4_kernel.ENV}={int4_kernel.kernel_mode()} or not built there)")
+                                  f"({kernels.ENV}={kernels.kernel_mode()} or not built there)")
             return f"firstlight::int8_mm ({isa}, int8 activations per block of 32)"
         if isa is not None:
             return f"firstlight::int8_mm ({isa}, float32 activations; aten for in_features not a multiple of 32)"

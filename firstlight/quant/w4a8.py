@@ -6,14 +6,14 @@ dx_b = max|x_b| / 127, and `firstlight::int4_mm_a8` returns W~ x^ (W~ the int4 w
 per weight block an int32 dot product of the unsigned 4-bit codes with the int8 activations (AVX2
 maddubs + madd), scaled by d * dx_b, plus each group's zero term m * sum(x^). The error this adds to the
 int4 format's is at most sum_k |W~[n, k]| * dx_b / 2 per output (the rounding of x^). CPU, firstlight's
-kernel only (no aten or CUDA kernel takes this layout): FIRSTLIGHT_INT4_KERNEL=aten makes it an error.
+kernel only (no aten or CUDA kernel takes this layout): FIRSTLIGHT_CPU_KERNELS=aten makes it an error.
 """
 
 from __future__ import annotations
 
 import torch
 
-from firstlight.quant import int4_kernel
+from firstlight import kernels
 from firstlight.quant.int4 import Int4WeightOnly
 from firstlight.quant.registry import register_format, unsupported
 
@@ -27,10 +27,10 @@ class Int4WeightInt8Act(Int4WeightOnly):
     def kernel_path(self, device: torch.device, dtype: torch.dtype) -> str:
         if device.type != "cpu":
             raise unsupported(self.name, device, dtype, "the int4 x int8 kernel exists for CPU only; use int4")
-        isa = int4_kernel.load_kernel()
+        isa = kernels.load_kernel()
         if isa is None:
             raise unsupported(self.name, device, dtype, f"firstlight's int4 kernel is not in use "
-                              f"({int4_kernel.ENV}={int4_kernel.kernel_mode()}, or it did not build); use int4")
+                              f"({kernels.ENV}={kernels.kernel_mode()}, or it did not build); use int4")
         return f"firstlight::int4_mm_a8 ({isa}, group {self.group_size}, int8 activations per block of 32)"
 
     def buffer_layout(self, device: torch.device) -> str:

@@ -40,9 +40,10 @@ def _same_with_and_without(model, tok, **config) -> None:  # noqa: ANN001
         assert lp_on == pytest.approx([lp.logprob for lp in outs[False][i].logprobs], abs=1e-4)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma3_text"])
 def test_families_same_tokens_and_logprobs(kernel_isa, family, tmp_path):  # noqa: F811
-    """Staggered prompts: decode rows of different lengths; mistral's sliding window masks old keys."""
+    """Staggered prompts: decode rows of different lengths; mistral's sliding window masks old keys; gemma3: (1 + w)
+    norms, sublayer output norms, q/k norms, tanh-GELU, sliding and global layers with their own rope and pools."""
     overrides = {"sliding_window": 12} if family == "mistral" else {}
     model, tok = load_model(write_tiny_checkpoint(tmp_path / family, family=family, seed=1, **overrides))
     _same_with_and_without(model, tok)
@@ -56,9 +57,9 @@ def test_formats_same_tokens_and_logprobs(kernel_isa, fmt, tmp_path):  # noqa: F
 
 
 def test_declines_what_it_does_not_run(kernel_isa, tmp_path):  # noqa: F811
-    gemma, tok = load_model(write_tiny_checkpoint(tmp_path / "g", family="gemma3_text", seed=1))
-    engine = _engine(gemma, tok, True)
-    assert engine.runner.native_decode is None and "not models/dense.py's decoder" in engine.runner.native_decode_declined
+    moe, tok = load_model(write_tiny_checkpoint(tmp_path / "g", family="qwen3_moe", seed=1))
+    engine = _engine(moe, tok, True)
+    assert engine.runner.native_decode is None and "decoder" in engine.runner.native_decode_declined
     model, tok = load_model(write_tiny_checkpoint(tmp_path / "l", family="llama", seed=1))
     engine = _engine(model, tok, True, kv_cache_dtype="int8")  # quantized pools: no paged attention, no native step
     assert engine.runner.native_decode is None

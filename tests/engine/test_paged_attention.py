@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from firstlight import kernels
 from firstlight.engine.engine import EngineConfig, LLMEngine
 from firstlight.engine.request import SamplingParams
-from firstlight.quant import int4_kernel
 
 from ..quant.test_int4_kernel import kernel_isa  # noqa: F401 - fixture
 from .test_engine import GREEDY, prompts, run_staggered
@@ -38,7 +38,7 @@ def test_equals_gather_and_sdpa(kernel_isa, heads, kv_heads, head_dim, masked): 
     mask = torch.rand(batch, keys) < 0.7 if masked else None
     if masked:
         mask[:, 0] = True  # every row sees one key at least (a row that sees none: next test)
-    got = int4_kernel.paged_decode_attention(q, k_pool, v_pool, slots, mask, head_dim ** -0.5)
+    got = kernels.paged_decode_attention(q, k_pool, v_pool, slots, mask, head_dim ** -0.5)
     ref = _reference(q, k_pool, v_pool, slots, mask, head_dim ** -0.5)
     assert got.shape == q.shape
     assert torch.allclose(got, ref, atol=2e-6, rtol=1e-5), (got - ref).abs().max()
@@ -50,14 +50,14 @@ def test_a_row_that_sees_no_key_gets_zeros(kernel_isa):  # noqa: F811
     slots = torch.randint(0, 50, (3, 8))
     mask = torch.ones(3, 8, dtype=torch.bool)
     mask[1] = False
-    out = int4_kernel.paged_decode_attention(torch.randn(3, 4, 16), k_pool, v_pool, slots, mask, 0.25)
+    out = kernels.paged_decode_attention(torch.randn(3, 4, 16), k_pool, v_pool, slots, mask, 0.25)
     assert torch.isfinite(out).all() and out[1].abs().max() == 0 and out[0].abs().max() > 0
 
 
 def test_rejects_mismatched_shapes(kernel_isa):  # noqa: F811
     pool = torch.randn(10, 3, 16)
     with pytest.raises(RuntimeError, match="does not match pools"):
-        int4_kernel.paged_decode_attention(torch.randn(2, 4, 16), pool, pool, torch.zeros(2, 3, dtype=torch.long),
+        kernels.paged_decode_attention(torch.randn(2, 4, 16), pool, pool, torch.zeros(2, 3, dtype=torch.long),
                                            None, 1.0)
 
 

@@ -1,4 +1,4 @@
-"""firstlight::f32_mm (quant/kernels/f32_gemm.cpp): x @ w^T + bias in fp32 for every row count (tiles of 1-3
+"""firstlight::f32_mm (kernels/csrc/f32_gemm.cpp): x @ w^T + bias in fp32 for every row count (tiles of 1-3
 rows x 4 output rows, the tails of N and K, the BLAS above the row limit), F32Linear as a drop-in nn.Linear
 (same parameters, tied head stays tied), off with the aten switch (one node under torch.compile: in
 test_int4_kernel.py with the other ops)."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+from firstlight import kernels
 from firstlight.models.loader import load_model
-from firstlight.quant import int4_kernel
 from firstlight.quant.f32 import F32Linear, use_f32_kernel
 
 from .test_int4_kernel import kernel_isa, mode  # noqa: F401 - fixtures
@@ -24,7 +24,7 @@ def test_f32_mm_equals_fp64_matmul(kernel_isa, m, n, k, with_bias):  # noqa: F81
     x, w = torch.randn(m, k), torch.randn(n, k)
     b = torch.randn(n) if with_bias else None
     ref = x.double() @ w.double().t() + (b.double() if with_bias else 0)
-    got = int4_kernel.f32_mm(x, w, b)
+    got = kernels.f32_mm(x, w, b)
     assert got.shape == (m, n) and got.dtype == torch.float32
     if m:
         # fp32 sums of k products: |error| <= ~k * eps * sum|x w|, far inside this bound
@@ -36,11 +36,11 @@ def test_f32_mm_takes_any_activation_layout_and_dtype(kernel_isa):  # noqa: F811
     torch.manual_seed(0)
     w = torch.randn(24, 64)
     x = torch.randn(64, 6).t()  # not contiguous
-    assert torch.allclose(int4_kernel.f32_mm(x, w), x @ w.t(), atol=1e-5)
+    assert torch.allclose(kernels.f32_mm(x, w), x @ w.t(), atol=1e-5)
     xb = torch.randn(3, 64).bfloat16()
-    assert torch.allclose(int4_kernel.f32_mm(xb, w), xb.float() @ w.t(), atol=1e-5)
+    assert torch.allclose(kernels.f32_mm(xb, w), xb.float() @ w.t(), atol=1e-5)
     with pytest.raises(RuntimeError, match="contiguous fp32"):
-        int4_kernel.f32_mm(torch.randn(2, 64), w.t().contiguous().t())
+        kernels.f32_mm(torch.randn(2, 64), w.t().contiguous().t())
 
 
 def test_use_f32_kernel_swaps_plain_fp32_linears_in_place(kernel_isa, mode, tiny_dirs):  # noqa: F811

@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from firstlight.quant import QuantizationError, get_format, int4_kernel
+from firstlight import kernels
+from firstlight.quant import QuantizationError, get_format
 from firstlight.quant.int4 import dequantize_groupwise_int4, quantize_groupwise_int4
 
 
@@ -27,20 +28,20 @@ def kernel_isa() -> str:
             import ninja  # noqa: F401
         except ImportError:
             pytest.skip("no ninja: torch.utils.cpp_extension cannot build firstlight's int4 kernel (aten is used)")
-    int4_kernel.reset_for_tests()
-    isa = int4_kernel.load_kernel()
+    kernels.reset_for_tests()
+    isa = kernels.load_kernel()
     if isa is None:
-        pytest.skip(f"firstlight's int4 kernel did not build: {int4_kernel._state.get('error')}")
+        pytest.skip(f"firstlight's int4 kernel did not build: {kernels._state.get('error')}")
     return isa
 
 
 @pytest.fixture()
 def mode(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     def set_mode(value: str) -> None:
-        monkeypatch.setenv(int4_kernel.ENV, value)
-        int4_kernel.reset_for_tests()
+        monkeypatch.setenv(kernels.ENV, value)
+        kernels.reset_for_tests()
     yield set_mode
-    int4_kernel.reset_for_tests()
+    kernels.reset_for_tests()
 
 
 def _case(n: int, k: int, g: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -58,13 +59,13 @@ def _case(n: int, k: int, g: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 8, 9, 10, 11, 17, 64, 140])
 def test_int4_mm_equals_fp32_dequantized_matmul(kernel_isa, m, n, k, g):
     q, scale, zero = _case(n, k, g)
-    packed, d, mins = int4_kernel.pack_int4(q, scale, zero, g)
+    packed, d, mins = kernels.pack_int4(q, scale, zero, g)
     w_ref = dequantize_groupwise_int4(q, scale, zero, g)
     # the kernel's weight (fma(q, d, m)) is the format's W~ up to one fp32 rounding
-    assert torch.allclose(int4_kernel.int4_dequant(packed, d, mins, g), w_ref, rtol=0, atol=1e-6)
+    assert torch.allclose(kernels.int4_dequant(packed, d, mins, g), w_ref, rtol=0, atol=1e-6)
     x = torch.randn(m, k)
     ref = (x.double() @ w_ref.double().t()).float()
-    y = int4_kernel.int4_mm(x, packed, d, mins, g)
+    y = kernels.int4_mm(x, packed, d, mins, g)
     assert y.dtype == torch.float32 and y.shape == (m, n)
     # fp32 accumulation: far tighter than the bf16 activations of the aten kernel (~4e-3 relative)
     assert torch.allclose(y, ref, rtol=0, atol=1e-5 * ref.abs().max().item() + 1e-6)
@@ -73,10 +74,10 @@ def test_int4_mm_equals_fp32_dequantized_matmul(kernel_isa, m, n, k, g):
 @pytest.mark.parametrize("n", [48, 9000])  # 9000 rows of K=128: dequantized in two slabs
 def test_int4_mm_large_m_dequantize_path_matches(kernel_isa, n):
     q, scale, zero = _case(n, 128, 32)
-    packed, d, mins = int4_kernel.pack_int4(q, scale, zero, 32)
-    x = torch.randn(int4_kernel.MAX_TILED_M + 3, 128)
-    y = int4_kernel.int4_mm(x, packed, d, mins, 32)
-    tiled = torch.cat([int4_kernel.int4_mm(x[i:i + 8], packed, d, mins, 32) for i in range(0, len(x), 8)])
+    packed, d, mins = kernels.pack_int4(q, scale, zero, 32)
+    x = torch.randn(kernels.MAX_TILED_M + 3, 128)
+    y = kernels.int4_mm(x, packed, d, mins, 32)
+    tiled = torch.cat([kernels.int4_mm(x[i:i + 8], packed, d, mins, 32) for i in range(0, len(x), 8)])
     assert torch.allclose(y, tiled, rtol=1e-5, atol=1e-5)
 
 
@@ -93,11 +94,11 @@ def test_the_library_runs_on_torchs_threads(kernel_isa):
 
 def test_int4_mm_rejects_bad_shapes(kernel_isa):
     q, scale, zero = _case(16, 64, 32)
-    packed, d, mins = int4_kernel.pack_int4(q, scale, zero, 32)
+    packed, d, mins = kernels.pack_int4(q, scale, zero, 32)
     with pytest.raises(RuntimeError, match="must be"):
-        int4_kernel.int4_mm(torch.randn(2, 32), packed, d, mins, 32)
+        kernels.int4_mm(torch.randn(2, 32), packed, d, mins, 32)
     with pytest.raises(QuantizationError, match="multiples of 32"):
-        int4_kernel.pack_int4(q[:, :48], scale, zero, 48)
+        kernels.pack_int4(q[:, :48], scale, zero, 48)
 
 
 def test_linear_uses_our_kernel_and_matches_reference(kernel_isa, mode):
@@ -131,23 +132,31 @@ def test_forced_aten_fallback(mode):
         fmt.quantize_linear(nn.Linear(64, 40))
 
 
+def test_the_switch_keeps_its_earlier_name(monkeypatch):
+    monkeypatch.delenv(kernels.ENV, raising=False)
+    monkeypatch.setenv(kernels.OLD_ENV, "aten")
+    assert kernels.kernel_mode() == "aten"
+    monkeypatch.setenv(kernels.ENV, "auto")  # the current name wins
+    assert kernels.kernel_mode() == "auto"
+
+
 def test_build_failure_falls_back_with_one_warning_or_raises_when_required(mode, monkeypatch):
     def broken() -> str:
         raise OSError("no compiler here\nsecond line")
-    monkeypatch.setattr(int4_kernel, "_build", broken)
+    monkeypatch.setattr(kernels, "_build", broken)
     mode("auto")
     with pytest.warns(RuntimeWarning, match="did not build .*OSError: no compiler here.*aten") as rec:
-        assert int4_kernel.load_kernel() is None
-        assert int4_kernel.load_kernel() is None  # warned once, remembered
+        assert kernels.load_kernel() is None
+        assert kernels.load_kernel() is None  # warned once, remembered
     assert len(rec) == 1
     ql = get_format("int4", group_size=32).quantize_linear(nn.Linear(64, 32))
     assert not ql.ours
     mode("firstlight")
     with pytest.raises(QuantizationError, match="could not be built: OSError: no compiler here"):
-        int4_kernel.load_kernel()
+        kernels.load_kernel()
     mode("bogus")
-    with pytest.raises(QuantizationError, match="FIRSTLIGHT_INT4_KERNEL"):
-        int4_kernel.load_kernel()
+    with pytest.raises(QuantizationError, match="FIRSTLIGHT_CPU_KERNELS"):
+        kernels.load_kernel()
 
 
 @pytest.mark.parametrize("fmt, op", [("int4", "firstlight.int4_mm"), ("int8", "firstlight.int8_mm"),
@@ -190,7 +199,7 @@ def test_custom_op_under_inductor(kernel_isa, mode):
 
 SCALAR_CHECK = """
 import torch
-from firstlight.quant import int4_kernel as k
+from firstlight import kernels as k
 from firstlight.quant.int4 import dequantize_groupwise_int4, quantize_groupwise_int4
 assert k.load_kernel() == "scalar"
 torch.manual_seed(0)
@@ -224,7 +233,7 @@ print("ok")
 def test_scalar_fallback_path_builds_and_matches(kernel_isa, tmp_path):
     """The portable (non-AVX2) path, built cold into a scratch FIRSTLIGHT_HOME in a fresh process
     (one process can load only one library that defines the firstlight ops)."""
-    env = {**os.environ, "FIRSTLIGHT_HOME": str(tmp_path), int4_kernel.ISA_ENV: "scalar",
-           int4_kernel.ENV: "firstlight", "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "FIRSTLIGHT_HOME": str(tmp_path), kernels.ISA_ENV: "scalar",
+           kernels.ENV: "firstlight", "PYTHONPATH": os.getcwd()}
     res = subprocess.run([sys.executable, "-c", SCALAR_CHECK], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]

@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import nn
 
+from firstlight import kernels
 from firstlight.models.loader import load_model
-from firstlight.quant import QuantizationError, get_format, int4_kernel, quantize_model
+from firstlight.quant import QuantizationError, get_format, quantize_model
 from firstlight.quant.int8 import Int8Embedding, Int8WeightOnlyLinear, quantize_per_channel_int8
 
 from .test_int4_kernel import kernel_isa, mode  # noqa: F401 - fixtures
@@ -32,12 +33,12 @@ def test_int8_mm_float_and_int8_activations(kernel_isa, m, n, k):  # noqa: F811
     q, scale, w = _case(n, k)
     x = torch.randn(m, k)
     x[0, 3] = 30.0
-    y = int4_kernel.int8_mm(x, q, scale, False)
+    y = kernels.int8_mm(x, q, scale, False)
     ref = x.double() @ w.t()
     assert y.dtype == torch.float32 and y.shape == (m, n)
     assert torch.allclose(y.double(), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
-    y8 = int4_kernel.int8_mm(x, q, scale, True).double()
-    ref8 = int4_kernel.quantize_act_int8(x).double() @ w.t()
+    y8 = kernels.int8_mm(x, q, scale, True).double()
+    ref8 = kernels.quantize_act_int8(x).double() @ w.t()
     assert torch.allclose(y8, ref8, rtol=0, atol=1e-5 * ref8.abs().max().item())  # integer dots are exact
     dx = x.double().reshape(m, -1, 32).abs().amax(-1) / 127
     bound = (dx.repeat_interleave(32, dim=1) / 2) @ w.abs().t()  # sum_k |W[n, k]| dx_b / 2

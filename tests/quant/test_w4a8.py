@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from firstlight.quant import QuantizationError, get_format, int4_kernel
+from firstlight import kernels
+from firstlight.quant import QuantizationError, get_format
 from firstlight.quant.int4 import dequantize_groupwise_int4, quantize_groupwise_int4
 
 from .test_int4_kernel import kernel_isa, mode  # noqa: F401 - fixtures
@@ -20,7 +21,7 @@ def _case(n: int, k: int, g: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
     w = torch.randn(n, k) / k**0.5
     w[0, 0] = 3.0  # an outlier group
     q, scale, zero = quantize_groupwise_int4(w, g, param_dtype=torch.bfloat16)
-    return int4_kernel.pack_int4(q, scale, zero, g), dequantize_groupwise_int4(q, scale, zero, g).double()
+    return kernels.pack_int4(q, scale, zero, g), dequantize_groupwise_int4(q, scale, zero, g).double()
 
 
 def _acts(m: int, k: int) -> torch.Tensor:
@@ -33,7 +34,7 @@ def _acts(m: int, k: int) -> torch.Tensor:
 
 def test_activation_rounding_reference():
     x = _acts(3, 96)
-    xh = int4_kernel.quantize_act_int8(x)
+    xh = kernels.quantize_act_int8(x)
     blocks = x.reshape(3, -1, 32)
     dx = blocks.abs().amax(-1, keepdim=True) / 127
     err = (xh.reshape(3, -1, 32) - blocks).abs()
@@ -48,9 +49,9 @@ def test_activation_rounding_reference():
 def test_int4_mm_a8_is_the_product_with_rounded_activations(kernel_isa, m, n, k, g):  # noqa: F811
     (packed, d, mins), w = _case(n, k, g)
     x = _acts(m, k)
-    y = int4_kernel.int4_mm_a8(x, packed, d, mins, g)
+    y = kernels.int4_mm_a8(x, packed, d, mins, g)
     assert y.dtype == torch.float32 and y.shape == (m, n)
-    xh = int4_kernel.quantize_act_int8(x).double()
+    xh = kernels.quantize_act_int8(x).double()
     ref = xh @ w.t()
     # the integer dot products are exact; what is left is fp32 scaling and summation
     assert torch.allclose(y.double(), ref, rtol=0, atol=1e-5 * ref.abs().max().item() + 1e-6)
@@ -65,9 +66,9 @@ def test_int4_mm_a8_is_the_product_with_rounded_activations(kernel_isa, m, n, k,
 
 def test_int4_mm_a8_large_m_matches_tiled(kernel_isa):  # noqa: F811
     (packed, d, mins), _ = _case(48, 128, 32)
-    x = _acts(int4_kernel.A8_MAX_TILED_M + 5, 128)
-    y = int4_kernel.int4_mm_a8(x, packed, d, mins, 32)
-    tiled = torch.cat([int4_kernel.int4_mm_a8(x[i:i + 4], packed, d, mins, 32) for i in range(0, len(x), 4)])
+    x = _acts(kernels.A8_MAX_TILED_M + 5, 128)
+    y = kernels.int4_mm_a8(x, packed, d, mins, 32)
+    tiled = torch.cat([kernels.int4_mm_a8(x[i:i + 4], packed, d, mins, 32) for i in range(0, len(x), 4)])
     assert torch.allclose(y, tiled, rtol=1e-5, atol=1e-5)
 
 
@@ -82,14 +83,14 @@ def test_w4a8_linear(kernel_isa, mode):  # noqa: F811
     # the same weight as the int4 format's
     assert torch.equal(ql.dequantized_weight(), get_format("int4", group_size=32).quantize_linear(lin).dequantized_weight())
     x = torch.randn(2, 3, 96)
-    ref = int4_kernel.quantize_act_int8(x.reshape(6, 96)) @ ql.dequantized_weight().t() + lin.bias
+    ref = kernels.quantize_act_int8(x.reshape(6, 96)) @ ql.dequantized_weight().t() + lin.bias
     assert torch.allclose(ql(x).reshape(6, 40), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_w4a8_refused_without_our_kernel(mode):  # noqa: F811
     mode("aten")
     fmt = get_format("w4a8")
-    with pytest.raises(QuantizationError, match="w4a8.*FIRSTLIGHT_INT4_KERNEL=aten.*use int4"):
+    with pytest.raises(QuantizationError, match="w4a8.*FIRSTLIGHT_CPU_KERNELS=aten.*use int4"):
         fmt.kernel_path(torch.device("cpu"), torch.float32)
     with pytest.raises(QuantizationError, match="w4a8.*CPU only"):
         fmt.kernel_path(torch.device("cuda"), torch.bfloat16)

@@ -1,15 +1,17 @@
-"""firstlight's own CPU kernels (kernels/int4_gemv.cpp: int4 and int8 weights; kernels/f32_gemm.cpp: fp32
-weights at decode-sized batches; kernels/paged_attention.cpp: decode attention over the paged KV pools), built
-once per machine at first use.
+"""firstlight's own CPU kernels, one extension built once per machine at first use, from csrc/:
+int4_gemv.cpp (int4 and int8 weights), f32_gemm.cpp (fp32 weights at decode-sized batches),
+paged_attention.cpp (decode attention over the paged KV pools), dense_decode.cpp (a dense decoder's whole
+decode step, engine/native_decode.py); firstlight_kernels.h holds what they share.
 
-`torch.utils.cpp_extension.load` compiles the shipped .cpp files into `$FIRSTLIGHT_HOME/kernels/<name>`
-(-O3, plus -mavx2 -mfma when torch reports an AVX2 CPU) and loads it as the torch ops
-`firstlight::int4_mm` / `firstlight::int4_dequant` (registered in C++ with TORCH_LIBRARY, so an eager call
-costs one dispatcher hop, not a Python one; `register_fake` here gives torch.compile their shapes, so a
-compiled decode keeps each call as one opaque node).
+`torch.utils.cpp_extension.load` compiles them into `$FIRSTLIGHT_HOME/kernels/<name>` (-O3 -fopenmp, plus
+-mavx2 -mfma when torch reports an AVX2 CPU) and loads the torch ops `firstlight::int4_mm`, `int8_mm`, `f32_mm`,
+`paged_decode_attention`, `dense_decode`, ... (registered in C++ with TORCH_LIBRARY, so an eager call costs one
+dispatcher hop, not a Python one; `register_fake` here gives torch.compile their shapes, so a compiled decode
+keeps each call as one opaque node).
 
-FIRSTLIGHT_INT4_KERNEL: `auto` (default) uses ours if it builds, else torch's aten kernel with one warning;
-`aten` forces torch's; `firstlight` requires ours (a QuantizationError naming what failed otherwise).
+FIRSTLIGHT_CPU_KERNELS (FIRSTLIGHT_INT4_KERNEL, its earlier name, is read when it is unset): `auto` (default)
+uses ours if it builds, else torch's kernels with one warning; `aten` forces torch's; `firstlight` requires ours
+(a QuantizationError naming what failed otherwise).
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ import torch
 
 from firstlight.quant.registry import QuantizationError
 
-ENV = "FIRSTLIGHT_INT4_KERNEL"
-ISA_ENV = "FIRSTLIGHT_INT4_ISA"  # `scalar` builds the portable path on an AVX2 machine (its tests)
+ENV = "FIRSTLIGHT_CPU_KERNELS"
+OLD_ENV = "FIRSTLIGHT_INT4_KERNEL"  # the switch's name while the extension held only the int4 kernel
+ISA_ENV = "FIRSTLIGHT_CPU_KERNELS_ISA"  # `scalar` builds the portable path on an AVX2 machine (its tests)
 MODES = ("auto", "aten", "firstlight")
-SOURCE = Path(__file__).parent / "kernels" / "int4_gemv.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "int4_gemv.cpp"
 SOURCES = (SOURCE, *(SOURCE.with_name(n) for n in ("f32_gemm.cpp", "paged_attention.cpp", "dense_decode.cpp")))
 HEADERS = (SOURCE.with_name("firstlight_kernels.h"),)
 BLOCK = 32  # input channels per 16-byte block of nibbles
@@ -51,7 +54,7 @@ _loaded: list[str] = []
 
 
 def kernel_mode() -> str:
-    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    mode = (os.environ.get(ENV) or os.environ.get(OLD_ENV) or "auto").strip().lower() or "auto"
     if mode not in MODES:
         raise QuantizationError(f"{ENV}={mode!r} is not one of {', '.join(MODES)}")
     return mode
@@ -78,7 +81,7 @@ def _build() -> str:
     flags = ["-O3", "-fopenmp"] + (["-mavx2", "-mfma"] if isa == "avx2" else [])
     tag = hashlib.sha256(("".join(p.read_text() for p in (*SOURCES, *HEADERS)) + " ".join(flags)).encode()).hexdigest()[:10]
     torch_tag = re.sub(r"[^0-9A-Za-z]+", "_", torch.__version__)
-    name = f"firstlight_int4_{isa}_{tag}"
+    name = f"firstlight_cpu_{isa}_{tag}"
     build_dir = firstlight_home() / "kernels" / f"{name}_torch{torch_tag}"
     build_dir.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(

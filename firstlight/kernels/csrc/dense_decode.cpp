@@ -1,11 +1,13 @@
 // firstlight native decode step for CPU: every layer of a dense decoder (models/dense.py: Llama, Mistral,
-// Qwen2, Qwen3, SmolLM2) for one new token per row, in one call, over the engine's paged KV pools.
+// Qwen2, Qwen3, SmolLM2; models/gemma3.py: Gemma 3) for one new token per row, in one call, over the engine's
+// paged KV pools.
 //
-// Per layer, exactly the module graph of models/dense.py DecoderLayer at S = 1:
+// Per layer, exactly the module graph of models/dense.py DecoderLayer (or gemma3.py Gemma3Layer) at S = 1:
 //   h = rmsnorm(x) ; qkv = h W_qkv (+b) ; [q/k rmsnorm per head] ; rope(q), rope(k) ; store k, v at the row's
-//   slot ; a = paged attention(q) over the row's keys ; x += a W_o (+b)
-//   h = rmsnorm(x) ; [g | u] = h W_gu (+b) ; x += (act(g) * u) W_down (+b)
-// then the final rmsnorm. The matmuls are the same kernels the modules call (int4_mm, int4_mm_a8, int8_mm,
+//   slot ; a = paged attention(q) over the row's keys ; x += [rmsnorm](a W_o (+b))
+//   h = rmsnorm(x) ; [g | u] = h W_gu (+b) ; x += [rmsnorm]((act(g) * u) W_down (+b))
+// then the final rmsnorm; [rmsnorm]: Gemma 3's norms of the attention and MLP outputs. Every norm is
+// w * (x / rms(x)); Gemma's (1 + w) comes in as that w. The matmuls are the same kernels the modules call (int4_mm, int4_mm_a8, int8_mm,
 // f32_mm: called here as C++ functions, no dispatcher); the glue (norms, rope, the K/V store, activation,
 // residual adds) is plain loops over the [B, *] rows. Why: in eager PyTorch the ~30 ops of glue per layer cost
 // more than the matmuls at batch 1 (a SmolLM2 int4 step: 15 ms of kernels, 29 ms of Python and dispatch).
@@ -38,6 +40,7 @@ struct Layer {
   int64_t type = 0;  // index of its KV cache group (layer type) in the step's per-group lists
   bool rope = true;
   at::Tensor in_norm, q_norm, k_norm, post_norm;  // q_norm / k_norm undefined without per-head norms
+  at::Tensor attn_out_norm, mlp_out_norm;        // Gemma 3's norms of the sublayer outputs (else undefined)
   Linear qkv, o, gate_up, down;
 };
 
@@ -122,6 +125,15 @@ void gated_act(const float* g, const float* u, int64_t n, int64_t act, float* y)
   }
 }
 
+// y [B, n], each row normed in place by w (a no-op for an undefined w)
+at::Tensor normed(at::Tensor y, const at::Tensor& w, float eps) {
+  if (!w.defined()) return y;
+  const int64_t n = y.size(1);
+  float* yp = y.data_ptr<float>();
+  for (int64_t b = 0; b < y.size(0); ++b) rmsnorm(yp + b * n, w.data_ptr<float>(), n, eps, yp + b * n);
+  return y;
+}
+
 std::shared_ptr<const Plan> get_plan(int64_t handle) {
   std::lock_guard<std::mutex> lock(plans_mu);
   auto it = plans.find(handle);
@@ -132,11 +144,12 @@ std::shared_ptr<const Plan> get_plan(int64_t handle) {
 }  // namespace
 
 // ints: E, H, Hkv, D, I, act, tiled f32 / int4 / a8 / int8, then per layer: type, rope, and (kind, group) of
-// qkv, o, gate_up, down. tensors: final norm, then per layer: in norm, q norm, k norm, post norm, and
-// (a, b, c, bias) of qkv, o, gate_up, down (empty tensors where absent). floats: eps, attention scale.
+// qkv, o, gate_up, down. tensors: final norm, then per layer: in norm, q norm, k norm, pre-MLP norm, attention
+// output norm, MLP output norm, and (a, b, c, bias) of qkv, o, gate_up, down (empty tensors where absent).
+// floats: eps, attention scale.
 int64_t dense_decode_plan(at::TensorList tensors, at::IntArrayRef ints, at::ArrayRef<double> floats,
                           at::TensorList k_pools, at::TensorList v_pools) {
-  constexpr int64_t kHead = 10, kPerLayerInts = 10, kPerLayerTensors = 20;
+  constexpr int64_t kHead = 10, kPerLayerInts = 10, kPerLayerTensors = 22;
   TORCH_CHECK(ints.size() >= kHead && (ints.size() - kHead) % kPerLayerInts == 0 && floats.size() == 2,
               "firstlight::dense_decode_plan: malformed ints/floats");
   const int64_t num_layers = (static_cast<int64_t>(ints.size()) - kHead) / kPerLayerInts;
@@ -165,11 +178,13 @@ int64_t dense_decode_plan(at::TensorList tensors, at::IntArrayRef ints, at::Arra
     if (lt[1].numel()) layer.q_norm = f32(lt[1], p->D, "a q norm");
     if (lt[2].numel()) layer.k_norm = f32(lt[2], p->D, "a k norm");
     layer.post_norm = f32(lt[3], p->E, "a norm");
+    if (lt[4].numel()) layer.attn_out_norm = f32(lt[4], p->E, "an attention output norm");
+    if (lt[5].numel()) layer.mlp_out_norm = f32(lt[5], p->E, "an MLP output norm");
     Linear* lins[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
     for (int j = 0; j < 4; ++j) {
       lins[j]->kind = li[2 + 2 * j], lins[j]->group = li[3 + 2 * j];
-      lins[j]->a = lt[4 + 4 * j], lins[j]->b = opt(lt[5 + 4 * j]), lins[j]->c = opt(lt[6 + 4 * j]);
-      lins[j]->bias = opt(lt[7 + 4 * j]);
+      lins[j]->a = lt[6 + 4 * j], lins[j]->b = opt(lt[7 + 4 * j]), lins[j]->c = opt(lt[8 + 4 * j]);
+      lins[j]->bias = opt(lt[9 + 4 * j]);
     }
     const at::Tensor& kp = k_pools[l];
     TORCH_CHECK(kp.scalar_type() == at::kFloat && kp.is_contiguous() && kp.dim() == 3 && kp.size(1) == p->Hkv &&
@@ -267,14 +282,14 @@ at::Tensor dense_decode(int64_t handle, const at::Tensor& x_in, const at::Tensor
     }
     firstlight::paged_attention_rows(qkvp, NQKV, B, H, D, kpool, vpool, nslots, Hkv, gs[t].data_ptr<int64_t>(),
                                      gs[t].size(1), masks[t].data_ptr<bool>(), p.scale, attn.data_ptr<float>(), H * D);
-    x.add_(run_linear(p, layer.o, attn));
+    x.add_(normed(run_linear(p, layer.o, attn), layer.attn_out_norm, p.eps));
     for (int64_t b = 0; b < B; ++b) rmsnorm(xp + b * E, layer.post_norm.data_ptr<float>(), E, p.eps, hp + b * E);
     const at::Tensor gu = run_linear(p, layer.gate_up, h);  // [B, 2I]
     for (int64_t b = 0; b < B; ++b) {
       const float* g = gu.data_ptr<float>() + b * 2 * I;
       gated_act(g, g + I, I, p.act, act.data_ptr<float>() + b * I);
     }
-    x.add_(run_linear(p, layer.down, act));
+    x.add_(normed(run_linear(p, layer.down, act), layer.mlp_out_norm, p.eps));
   }
   at::Tensor out = at::empty({B, E}, x.options());
   for (int64_t b = 0; b < B; ++b) rmsnorm(xp + b * E, p.final_norm.data_ptr<float>(), E, p.eps, out.data_ptr<float>() + b * E);

@@ -9,7 +9,7 @@ For output row n and group g (input channels g*G .. g*G+G-1), with lo/hi the gro
     W~[n, k]    = (Q[n, k] - 8) * scale[g, n] + zero[g, n]
 
 Kernels: CPU, by default firstlight's own `firstlight::int4_mm` (kernels/csrc/int4_gemv.cpp, built at
-first use, see quant/kernels.py): the same codes, scales and zeros, packed as 16-byte blocks of 32
+first use, see firstlight/kernels/__init__.py): the same codes, scales and zeros, packed as 16-byte blocks of 32
 channels with fp32 d = scale, m = zero - 8 * scale per group; activations stay fp32. If it cannot be
 built (or FIRSTLIGHT_CPU_KERNELS=aten): `aten._convert_weight_to_int4pack_for_cpu(Q int32 [N, K], 1)`
 packs two codes per byte, `aten._weight_int4pack_mm_for_cpu(x, packed, G, scales_and_zeros [K/G, N, 2])`

@@ -1,6 +1,6 @@
 // firstlight int4 weight-only matmul for CPU: y[M, N] = x[M, K] @ W~[N, K]^T in fp32.
 //
-// Layout (built by firstlight/quant/kernels.py from quantize_groupwise_int4's codes):
+// Layout (built by firstlight/kernels/__init__.py from quantize_groupwise_int4's codes):
 //   packed uint8 [N, K/2]: per output row, blocks of 32 input channels, 16 bytes each; byte j of the
 //                          block holds code q[32b + j] in its low nibble and q[32b + 16 + j] in its high one.
 //   d, m   fp32  [N, K/G]: per group of G (a multiple of 32) input channels, w = fma(q, d, m), q in 0..15
@@ -11,7 +11,7 @@
 // weights of 24 output rows dequantized once into an L2-resident fp32 panel, then multiplied as fp32 weights by
 // f32_mm's micro-kernel (f32_gemm.cpp f32_block: 4 output x 3 activation rows, 12 accumulators). int8_mm, M >= 2:
 // register tiles of NR x MR straight from the int8 rows (no dequantization fma to amortize) with software
-// prefetch. Figures (benchmarks/kernels.py --threads 1, 1 thread, same-run vs the earlier per-row tiles):
+// prefetch. Figures (benchmarks/int4_kernel.py --threads 1, 1 thread, same-run vs the earlier per-row tiles):
 // int4 M = 8: 1.0-1.3x, M = 16-32: 1.1-1.5x (48-61 GFLOP/s; ~70 peak); int8 M = 2-64: 1.2-1.5x (50-65 GFLOP/s).
 // Threads: at::parallel_for over output rows. Larger M: dequantize slabs (same fma) and at::mm.
 // Also: int4_mm_a8 (int8 activations per block of 32, integer dot products: the w4a8 format) and int8_mm

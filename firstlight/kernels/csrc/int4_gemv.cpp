@@ -114,6 +114,23 @@ inline void store4(__m256 a0, __m256 a1, __m256 a2, __m256 a3, const float* tail
   _mm_storeu_ps(y, _mm_add_ps(s, _mm_loadu_ps(tail)));
 }
 
+// The end of the M = 1 kernels: the zero-point terms of R (1 or 4) rows from n, and their sums into y[n..].
+template <int R>
+inline void finish_m1(__m256 a0, __m256 a1, __m256 a2, __m256 a3, const float* m, const float* xs, int64_t ngroups,
+                      float* y, int64_t n) {
+  float tail[4] = {};
+  const float* mr = m + n * ngroups;
+  a0 = mins_term(mr, xs, ngroups, a0, tail);
+  if constexpr (R == 4) {
+    a1 = mins_term(mr + ngroups, xs, ngroups, a1, tail + 1);
+    a2 = mins_term(mr + 2 * ngroups, xs, ngroups, a2, tail + 2);
+    a3 = mins_term(mr + 3 * ngroups, xs, ngroups, a3, tail + 3);
+    store4(a0, a1, a2, a3, tail, y + n);
+  } else {
+    y[n] = hsum(a0) + tail[0];
+  }
+}
+
 // R (1 or 4) output rows at a time: the x loads are shared. Named accumulators, not an array: with an array
 // GCC kept them on the stack, a store and a reload around every fma (perf annotate: 1.3x slower).
 template <int R>
@@ -140,17 +157,7 @@ void rows_avx2_m1(const float* xt, const float* xs, const uint8_t* wq, const flo
       a3 = block_m1(p + 3 * ld, x0, x1, x2, x3, db + 3 * ngroups, a3);
     }
   }
-  float tail[4] = {};
-  const float* mr = m + n * ngroups;
-  a0 = mins_term(mr, xs, ngroups, a0, tail);
-  if constexpr (R == 4) {
-    a1 = mins_term(mr + ngroups, xs, ngroups, a1, tail + 1);
-    a2 = mins_term(mr + 2 * ngroups, xs, ngroups, a2, tail + 2);
-    a3 = mins_term(mr + 3 * ngroups, xs, ngroups, a3, tail + 3);
-    store4(a0, a1, a2, a3, tail, y + n);
-  } else {
-    y[n] = hsum(a0) + tail[0];
-  }
+  finish_m1<R>(a0, a1, a2, a3, m, xs, ngroups, y, n);
 }
 
 // M = 1 (single-stream decode): fewer instructions per weight. With byte = lo + 16 * hi of each block,
@@ -413,17 +420,7 @@ void rows_avx2_a8_m1(const int8_t* qx, const float* sc, int64_t K, const uint8_t
     }
   }
   const float* xs = sc + nblocks;
-  float tail[4] = {};
-  const float* mr = m + n * ngroups;
-  a0 = mins_term(mr, xs, ngroups, a0, tail);
-  if constexpr (R == 4) {
-    a1 = mins_term(mr + ngroups, xs, ngroups, a1, tail + 1);
-    a2 = mins_term(mr + 2 * ngroups, xs, ngroups, a2, tail + 2);
-    a3 = mins_term(mr + 3 * ngroups, xs, ngroups, a3, tail + 3);
-    store4(a0, a1, a2, a3, tail, y + n);
-  } else {
-    y[n] = hsum(a0) + tail[0];
-  }
+  finish_m1<R>(a0, a1, a2, a3, m, xs, ngroups, y, n);
 }
 
 template <int MT>

@@ -22,6 +22,9 @@ def serve(
     prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching",
                                         help="Reuse the KV blocks of shared prompt prefixes."),
     compile_decode: bool = typer.Option(False, help="torch.compile the decode forward (shape-bucketed: a bounded number of graphs)."),
+    native_decode: bool = typer.Option(True, "--native-decode/--no-native-decode",
+                                       help="Run a dense decoder's decode step in one native call (CPU, fp32 KV; "
+                                            "other models and formats keep the modules: docs/ENGINE.md)."),
     quantization: str = typer.Option("none", help="Weight quantization: none, int8, int4, fp8, w8a8."),
     threads: int | None = typer.Option(None, help="torch intra-op threads (default: torch's)."),
     speculative: str = typer.Option("none", help="Speculative decoding: none, ngram, draft, heads, mtp (the checkpoint's own MTP layer)."),
@@ -106,5 +109,6 @@ def serve(
         enable_prefix_caching=prefix_caching,
         kv_cache_dtype=kv_cache_dtype,
         compile_decode=compile_decode,
+        native_decode=native_decode,
         speculative=spec,
     )

@@ -186,7 +186,8 @@ def test_cli_serve_with_trace(tiny_ckpt, tmp_path) -> None:
     port = free_port()
     trace = tmp_path / "steps.jsonl"
     cmd = [sys.executable, "-m", "firstlight.cli", "serve", "--model", str(tiny_ckpt), "--port", str(port),
-           "--trace", str(trace), "--served-model-name", "t", "--threads", "1", "--block-size", "4"]
+           "--trace", str(trace), "--served-model-name", "t", "--threads", "1", "--block-size", "4",
+           "--no-native-decode"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60

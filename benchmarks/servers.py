@@ -4,7 +4,7 @@ same client (`firstlight bench run`), same workloads; every figure next to its r
     PYTHONPATH=. .venv/bin/python benchmarks/servers.py --model smollm2-135m --threads 2 --out /tmp/servers
 
 Servers (each optional; a missing one is reported with the reason and skipped):
-  firstlight-{fp32,int8,int4,w8a8}  `firstlight serve --quantization ...` (int8/w8a8: GPTQ, from its cache)
+  firstlight-{fp32,int8,int4,w4a8,w8a8}  `firstlight serve --quantization ...` (int8/w8a8: GPTQ, from its cache)
   hf-serve                          `transformers serve --continuous-batching` (fp32)
   llama-cpp                         llama-cpp-python's server on the GGUF `models pull` fetched (`make bench-peers`)
 
@@ -80,7 +80,7 @@ def kernel_rates(ms: tuple[int, ...], k: int = 576, n: int = 1536) -> dict[str, 
     lin = torch.nn.Linear(k, n, bias=False).requires_grad_(False)
     ours = copy.deepcopy(lin)
     use_f32_kernel(ours)  # what `firstlight serve` runs fp32 linears on (firstlight::f32_mm up to 32 rows)
-    layers = {"fp32": ours, "fp32-blas": lin, **{f: get_format(f).quantize_linear(lin) for f in ("int8", "int4", "w8a8")}}
+    layers = {"fp32": ours, "fp32-blas": lin, **{f: get_format(f).quantize_linear(lin) for f in ("int8", "int4", "w4a8", "w8a8")}}
     out: dict[str, dict[int, float]] = {}
     with torch.inference_mode():
         for name, layer in layers.items():
@@ -120,7 +120,7 @@ def servers(args: argparse.Namespace, port: int) -> list[Server]:
     out = []
     base = [PY, "-m", "firstlight.cli", "serve", "--model", args.model, "--host", "127.0.0.1", "--port", str(port),
             "--threads", str(args.threads), "--max-num-seqs", "32"]
-    for fmt in ("fp32", "int8", "int4", "w8a8"):
+    for fmt in ("fp32", "int8", "int4", "w4a8", "w8a8"):
         if f"firstlight-{fmt}" not in args.servers and not (fmt == "fp32" and "hf-serve" in args.servers):
             continue
         model, tok = load_model(path)
@@ -262,7 +262,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--servers", default="firstlight-fp32,firstlight-int8,firstlight-int4,firstlight-w8a8,"
+    ap.add_argument("--servers", default="firstlight-fp32,firstlight-int8,firstlight-int4,firstlight-w4a8,firstlight-w8a8,"
                     "firstlight-int4-compiled,hf-serve,llama-cpp")
     ap.add_argument("--workloads", default="single,closed,poisson")
     ap.add_argument("--concurrency", default="1,8,32")

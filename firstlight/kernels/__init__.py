@@ -1,10 +1,10 @@
 """firstlight's own CPU kernels, one extension built once per machine at first use, from csrc/:
-int4_gemv.cpp (int4 and int8 weights), f32_gemm.cpp (fp32 weights at decode-sized batches),
+int4_gemv.cpp (int4 and int8 weights), int4_vnni.cpp (w4a8 on AVX-512 VNNI), f32_gemm.cpp (fp32 weights at decode-sized batches),
 paged_attention.cpp (decode attention over the paged KV pools), dense_decode.cpp (a dense decoder's whole
 decode step, engine/native_decode.py); firstlight_kernels.h holds what they share.
 
 `torch.utils.cpp_extension.load` compiles them into `$FIRSTLIGHT_HOME/kernels/<name>` (-O3 -fopenmp, plus
--mavx2 -mfma when torch reports an AVX2 CPU) and loads the torch ops `firstlight::int4_mm`, `int8_mm`, `f32_mm`,
+-mavx2 -mfma when torch reports an AVX2 CPU, and the AVX-512 VNNI flags when the CPU has them: ISA avx512vnni) and loads the torch ops `firstlight::int4_mm`, `int8_mm`, `f32_mm`,
 `paged_decode_attention`, `dense_decode`, ... (registered in C++ with TORCH_LIBRARY, so an eager call costs one
 dispatcher hop, not a Python one; `register_fake` here gives torch.compile their shapes, so a compiled decode
 keeps each call as one opaque node).
@@ -31,7 +31,10 @@ OLD_ENV = "FIRSTLIGHT_INT4_KERNEL"  # the switch's name while the extension held
 ISA_ENV = "FIRSTLIGHT_CPU_KERNELS_ISA"  # `scalar` builds the portable path on an AVX2 machine (its tests)
 MODES = ("auto", "aten", "firstlight")
 SOURCE = Path(__file__).parent / "csrc" / "int4_gemv.cpp"
-SOURCES = (SOURCE, *(SOURCE.with_name(n) for n in ("f32_gemm.cpp", "paged_attention.cpp", "dense_decode.cpp")))
+SOURCES = (SOURCE, *(SOURCE.with_name(n) for n in ("int4_vnni.cpp", "f32_gemm.cpp", "paged_attention.cpp", "dense_decode.cpp")))
+ISAS = ("avx512vnni", "avx2", "scalar")
+VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")  # /proc/cpuinfo names
+VNNI_TILE = 16  # output rows per int32 register of the VNNI layout (pack_int4_vnni)
 HEADERS = (SOURCE.with_name("firstlight_kernels.h"),)
 BLOCK = 32  # input channels per 16-byte block of nibbles
 # Above this many activation rows, int4_mm dequantizes slabs and calls at::mm; from 6 rows up to it, the
@@ -64,21 +67,39 @@ def cpu_has_avx2() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
+def cpu_has_avx512_vnni() -> bool:
+    """AVX-512 F/BW/VL/DQ and VNNI (Linux: the kernel's cpuinfo flags; elsewhere False)."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return False
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(VNNI_FLAGS) <= set(line.split())
+
+
+def default_isa() -> str:
+    return "avx512vnni" if cpu_has_avx512_vnni() else "avx2" if cpu_has_avx2() else "scalar"
+
+
 def _build() -> str:
     """Compile (or reuse) and load the extension; returns the ISA it was built for."""
     from torch.utils import cpp_extension
 
     from firstlight.models.hub import firstlight_home
 
-    isa = os.environ.get(ISA_ENV) or ("avx2" if cpu_has_avx2() else "scalar")
-    if isa not in ("avx2", "scalar"):
-        raise QuantizationError(f"{ISA_ENV}={isa!r} is not one of avx2, scalar")
+    isa = os.environ.get(ISA_ENV) or default_isa()
+    if isa not in ISAS:
+        raise QuantizationError(f"{ISA_ENV}={isa!r} is not one of {', '.join(ISAS)}")
     if _loaded:
         return _loaded[0]
     # -fopenmp: at::parallel_for is a header template that runs its body serially unless the including source is
     # compiled with OpenMP; the .so then links libgomp.so.1, the runtime torch already loaded (one thread pool,
     # torch.set_num_threads applies). Without it every kernel here ran on one core whatever the thread count.
-    flags = ["-O3", "-fopenmp"] + (["-mavx2", "-mfma"] if isa == "avx2" else [])
+    flags = ["-O3", "-fopenmp"] + (["-mavx2", "-mfma"] if isa != "scalar" else [])
+    if isa == "avx512vnni":  # the VNNI layout's kernel (int4_vnni.cpp); the rest stays on its AVX2 paths
+        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mprefer-vector-width=256"]
     tag = hashlib.sha256(("".join(p.read_text() for p in (*SOURCES, *HEADERS)) + " ".join(flags)).encode()).hexdigest()[:10]
     torch_tag = re.sub(r"[^0-9A-Za-z]+", "_", torch.__version__)
     name = f"firstlight_cpu_{isa}_{tag}"
@@ -102,7 +123,8 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("firstlight::int4_mm_a8")
     def _(x, packed, scales, mins, group_size, max_tiled_m):  # noqa: ANN001, ANN202
-        return x.new_empty((x.shape[0], packed.shape[0]), dtype=torch.float32)
+        n = packed.shape[0] * (VNNI_TILE if packed.dim() == 3 else 1)
+        return x.new_empty((x.shape[0], n), dtype=torch.float32)
 
     @torch.library.register_fake("firstlight::int8_mm")
     def _(x, qweight, scales, act_int8, max_tiled_m):  # noqa: ANN001, ANN202
@@ -118,11 +140,13 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("firstlight::int4_dequant")
     def _(packed, scales, mins, group_size):  # noqa: ANN001, ANN202
+        if packed.dim() == 3:
+            return scales.new_empty((packed.shape[0] * VNNI_TILE, packed.shape[1] * 8), dtype=torch.float32)
         return scales.new_empty((packed.shape[0], packed.shape[1] * 2), dtype=torch.float32)
 
 
 def load_kernel() -> str | None:
-    """The ISA of our loaded kernel ('avx2' or 'scalar'), or None when torch's aten kernel is to be used.
+    """The ISA of our loaded kernel ('avx512vnni', 'avx2' or 'scalar'), or None when torch's aten kernel is to be used.
 
     Built at most once per process (and compiled at most once per machine); a failure warns once
     (mode auto) or raises (mode firstlight).
@@ -167,6 +191,24 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_si
     d = scale.t().float().contiguous()
     m = (zero.t().float() - 8 * d).contiguous()
     return packed, d, m
+
+
+def pack_int4_vnni(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """pack_int4's layout -> the AVX-512 VNNI one (csrc/int4_vnni.cpp): packed uint8 [N/16, K/8, 64], byte 4r + j
+    of octet o in tile c = q[16c + r, 8o + j] | q[16c + r, 8o + 4 + j] << 4; d, m [N/16, K/G, 16]. N % 16 == 0."""
+    n, half = packed.shape
+    if n % VNNI_TILE:
+        raise QuantizationError(f"the VNNI int4 layout needs N a multiple of {VNNI_TILE}, got {n}")
+    k = half * 2
+    blocks = packed.reshape(n, k // BLOCK, BLOCK // 2)
+    q = torch.cat([blocks & 0xF, blocks >> 4], dim=2).reshape(n, k)  # codes in channel order
+    q = q.reshape(n // VNNI_TILE, VNNI_TILE, k // 8, 2, 4).permute(0, 2, 3, 1, 4)  # [tile, octet, half, row, j]
+    vnni = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n // VNNI_TILE, k // 8, 4 * VNNI_TILE).contiguous()
+
+    def tiles(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(n // VNNI_TILE, VNNI_TILE, -1).transpose(1, 2).contiguous()
+
+    return vnni, tiles(d), tiles(m)
 
 
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group_size: int) -> torch.Tensor:

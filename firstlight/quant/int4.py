@@ -109,6 +109,11 @@ def dequantize_groupwise_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.
     return (groups * scale.t()[..., None] + zero.t()[..., None]).reshape(n, k)
 
 
+def vnni_layout(out_features: int) -> bool:
+    """Whether a w4a8 linear of this many rows takes the AVX-512 VNNI layout (kernels.pack_int4_vnni)."""
+    return kernels.load_kernel() == "avx512vnni" and out_features % kernels.VNNI_TILE == 0
+
+
 def _inner_k_tiles(k: int) -> int:
     """Largest tinygemm tiling (8, 4 or 2 tiles of 16) that divides K, for the CUDA packing."""
     for tiles in (8, 4, 2):
@@ -136,9 +141,11 @@ class Int4WeightOnlyLinear(QuantizedModule):
             raise QuantizationError("int4 with int8 activations needs firstlight's CPU int4 kernel (w4a8)")
         if self.ours:
             packed, d, m = kernels.pack_int4(q, scale, zero, group_size)
-            self.register_buffer("packed", packed)  # uint8 [N, K/2]
-            self.register_buffer("scales", d)  # fp32 [N, K/G]
-            self.register_buffer("mins", m)  # fp32 [N, K/G]
+            if activations == "int8" and vnni_layout(self.out_features):  # the same codes, 16 rows per register
+                packed, d, m = kernels.pack_int4_vnni(packed, d, m)
+            self.register_buffer("packed", packed)  # uint8 [N, K/2] (VNNI: [N/16, K/8, 64])
+            self.register_buffer("scales", d)  # fp32 [N, K/G] (VNNI: [N/16, K/G, 16])
+            self.register_buffer("mins", m)  # fp32 [N, K/G] (VNNI: [N/16, K/G, 16])
         else:
             if self.on_cuda:
                 packed_bytes = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # [N, K/2]

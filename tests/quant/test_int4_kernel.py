@@ -220,6 +220,14 @@ for m, n, kk, g in [(1, 24, 128, 32), (5, 16, 256, 64), (20, 8, 64, 32)]:
         ref = xx @ (qi.double() * sc.double()[:, None]).t()
         err = (k.int8_mm(x, qi, sc, a8).double() - ref).abs().max().item()
         assert err < 1e-5 * ref.abs().max().item(), (m, n, kk, a8, err)
+    if n % 16 == 0:  # the VNNI layout: its dequantization works anywhere, its matmul only where it was built
+        vp, vd, vm = k.pack_int4_vnni(p, d, mins)
+        assert torch.equal(k.int4_dequant(vp, vd, vm, g), k.int4_dequant(p, d, mins, g))
+        try:
+            k.int4_mm_a8(x, vp, vd, vm, g)
+            raise AssertionError("the scalar library ran the VNNI layout")
+        except RuntimeError as e:
+            assert "without AVX-512 VNNI" in str(e), e
     w32, b32 = torch.randn(n + 3, kk + 5), torch.randn(n + 3)
     x32 = torch.randn(m, kk + 5)
     ref = x32.double() @ w32.double().t() + b32.double()

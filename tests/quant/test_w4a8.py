@@ -94,3 +94,69 @@ def test_w4a8_refused_without_our_kernel(mode):  # noqa: F811
         fmt.kernel_path(torch.device("cpu"), torch.float32)
     with pytest.raises(QuantizationError, match="w4a8.*CPU only"):
         fmt.kernel_path(torch.device("cuda"), torch.bfloat16)
+
+
+# ---- the AVX-512 VNNI layout (kernels.pack_int4_vnni; csrc/int4_vnni.cpp): 16 output rows per int32 register
+
+VNNI_CASES = [(64, 128, 32), (48, 96, 32), (16, 256, 64), (32, 256, 128), (16, 512, 256)]
+
+
+@pytest.fixture()
+def vnni(kernel_isa):  # noqa: F811
+    if kernel_isa != "avx512vnni":
+        pytest.skip(f"the VNNI kernel is built only for AVX-512 VNNI CPUs (this library: {kernel_isa})")
+
+
+@pytest.mark.parametrize("n,k,g", VNNI_CASES)
+def test_vnni_layout_holds_the_same_weight(kernel_isa, n, k, g):  # noqa: F811
+    (packed, d, mins), _ = _case(n, k, g)
+    vp, vd, vm = kernels.pack_int4_vnni(packed, d, mins)
+    assert vp.shape == (n // 16, k // 8, 64) and vd.shape == vm.shape == (n // 16, k // g, 16)
+    # the dequantization of either layout (fma(q, d, m) per weight) is the same weight, bit for bit
+    assert torch.equal(kernels.int4_dequant(vp, vd, vm, g), kernels.int4_dequant(packed, d, mins, g))
+    with pytest.raises(QuantizationError, match="multiple of 16"):
+        kernels.pack_int4_vnni(packed[: n - 8], d[: n - 8], mins[: n - 8])
+
+
+@pytest.mark.parametrize("n,k,g", VNNI_CASES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 17, 40, 130])  # 1: four row tiles at a time; else 2; M in tiles of 4
+def test_vnni_int4_mm_a8_is_the_product_with_rounded_activations(vnni, m, n, k, g):
+    (packed, d, mins), w = _case(n, k, g)
+    vp, vd, vm = kernels.pack_int4_vnni(packed, d, mins)
+    x = _acts(m, k)
+    y = kernels.int4_mm_a8(x, vp, vd, vm, g)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    ref = kernels.quantize_act_int8(x).double() @ w.t()
+    assert torch.allclose(y.double(), ref, rtol=0, atol=1e-5 * ref.abs().max().item() + 1e-6)
+    # the row-major kernel computes the same product (the integer sums are exact in both)
+    rowmajor = kernels.int4_mm_a8(x, packed, d, mins, g)
+    assert torch.allclose(y, rowmajor, rtol=0, atol=2e-5 * ref.abs().max().item() + 1e-6)
+
+
+def test_vnni_rejects_bad_shapes(vnni):
+    (packed, d, mins), _ = _case(32, 128, 32)
+    vp, vd, vm = kernels.pack_int4_vnni(packed, d, mins)
+    with pytest.raises(RuntimeError, match=r"x must be \[M, 128\]"):
+        kernels.int4_mm_a8(torch.randn(2, 96), vp, vd, vm, 32)
+    with pytest.raises(RuntimeError, match="scales/mins must be contiguous fp32"):
+        kernels.int4_mm_a8(torch.randn(2, 128), vp, d, mins, 32)  # row-major scales with VNNI codes
+
+
+def test_w4a8_linear_takes_the_vnni_layout(vnni, mode):  # noqa: F811
+    mode("auto")
+    torch.manual_seed(2)
+    lin = nn.Linear(96, 48, bias=True).requires_grad_(False)
+    fmt = get_format("w4a8", group_size=32)
+    assert "16 rows per vpdpbusd" in fmt.kernel_path(torch.device("cpu"), torch.float32)
+    assert fmt.buffer_layout(torch.device("cpu")) == "firstlight-int4-vnni-v1"
+    ql = fmt.quantize_linear(lin)
+    assert ql.packed.shape == (3, 12, 64) and ql.scales.shape == (3, 3, 16)
+    assert torch.equal(ql.dequantized_weight(), get_format("int4", group_size=32).quantize_linear(lin).dequantized_weight())
+    x = torch.randn(2, 5, 96)
+    ref = kernels.quantize_act_int8(x.reshape(10, 96)) @ ql.dequantized_weight().t() + lin.bias
+    assert torch.allclose(ql(x).reshape(10, 48), ref, atol=1e-5, rtol=1e-5)
+    out = torch.compile(ql, fullgraph=True)(x)  # the fake kernel knows the VNNI layout's N
+    assert out.shape == (2, 5, 48) and torch.allclose(out, ql(x), atol=1e-6)
+    torch._dynamo.reset()
+    # rows not a multiple of 16 keep the row-major layout
+    assert fmt.quantize_linear(nn.Linear(96, 40).requires_grad_(False)).packed.dim() == 2

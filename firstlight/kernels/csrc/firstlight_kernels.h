@@ -17,11 +17,19 @@ at::Tensor int4_mm_a8(const at::Tensor& x, const at::Tensor& packed, const at::T
                       int64_t G, int64_t max_tiled_m);
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, bool act_int8,
                    int64_t max_tiled_m);
+// int4_vnni.cpp: int4_mm_a8 on the AVX-512 VNNI layout (int4_pack_vnni's; int4_mm_a8 routes 3-D packed weights here)
+at::Tensor int4_mm_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
+                        int64_t G);
+at::Tensor int4_dequant_vnni(const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m, int64_t G);
 // f32_gemm.cpp
 at::Tensor f32_mm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                   int64_t max_tiled_m);
 
 namespace firstlight {
+
+// int4_gemv.cpp: one activation row x [K] -> qx [K] int8 per block of 32 (qx = round(x * 127 / max|x_b|)),
+// dx [K/32] = max|x_b| / 127, xs [K/G] = per group of G the sum of dx_b * sum(qx_b).
+void quantize_row_q8(const float* x, int64_t K, int64_t G, int8_t* qx, float* dx, float* xs);
 
 // f32_gemm.cpp: y[t, n] (+= with add) sum_k w[n, k] x[t, k] for n < nr (<= 4 output rows, stride ldw) and t < M
 // (activation rows, stride ldx), k < K, in register tiles of 4 x 3; pf: rows to prefetch meanwhile (or nullptr).

@@ -310,25 +310,52 @@ void int8_mm_tiles(const float* x, int64_t M, int64_t K, int64_t N, const int8_t
 // times d * dx_b; plus per group m * (sum of x^ over the group). Error vs W~ x: |W~ (x^ - x)| <=
 // sum_k |w~_k| dx_b / 2.
 
-// One activation row -> qx [K] int8, dx [K/32], xs [K/G] = sum over the group of dx_b * sum qx_b.
-void quantize_row_q8(const float* x, int64_t K, int64_t G, int8_t* qx, float* dx, float* xs) {
+}  // namespace
+
+// One activation row -> qx [K] int8, dx [K/32], xs [K/G] = sum over the group of dx_b * sum qx_b. The AVX2 path
+// does the scalar path's fp32 operations (x * (127 / amax) rounded to nearest even), eight lanes at a time.
+void firstlight::quantize_row_q8(const float* x, int64_t K, int64_t G, int8_t* qx, float* dx, float* xs) {
   const int64_t nblocks = K / kBlock, bpg = G / kBlock;
   for (int64_t g = 0; g < K / G; ++g) xs[g] = 0.f;
   for (int64_t b = 0; b < nblocks; ++b) {
     const float* xb = x + b * kBlock;
     float amax = 0.f;
+    int32_t isum = 0;
+#ifdef __AVX2__
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
+    const __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
+    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                              _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const __m256 id = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, id)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, id));
+    const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, id)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, id));
+    // packs interleave the 128-bit lanes: dwords come out as i0a i1a i2a i3a i0b i1b i2b i3b (a/b: lane halves)
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qx + b * kBlock),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    isum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+#else
     for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
     const float id = amax > 0.f ? 127.f / amax : 0.f;
-    int32_t isum = 0;
     for (int64_t j = 0; j < kBlock; ++j) {
       const int32_t q = static_cast<int32_t>(std::nearbyint(xb[j] * id));
       qx[b * kBlock + j] = static_cast<int8_t>(q);
       isum += q;
     }
+#endif
     dx[b] = amax / 127.f;
     xs[b / bpg] += dx[b] * static_cast<float>(isum);
   }
 }
+
+namespace {
 
 #ifdef __AVX2__
 // R output rows x MT activation rows: each weight block is unpacked once (a 16-byte broadcast load, one
@@ -606,6 +633,7 @@ void check_args(const at::Tensor& packed, const at::Tensor& d, const at::Tensor&
 }  // namespace
 
 at::Tensor int4_dequant(const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m, int64_t G) {
+  if (packed.dim() == 3) return int4_dequant_vnni(packed, d, m, G);
   check_args(packed, d, m, G);
   const int64_t N = packed.size(0), K = packed.size(1) * 2;
   at::Tensor w = at::empty({N, K}, d.options());
@@ -694,6 +722,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
 
 at::Tensor int4_mm_a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
                       int64_t G, int64_t max_tiled_m) {
+  if (packed.dim() == 3) return int4_mm_vnni(x, packed, d, m, G);  // kernels.pack_int4_vnni's layout
   check_args(packed, d, m, G);
   const int64_t N = packed.size(0), K = packed.size(1) * 2, ngroups = K / G, nblocks = K / kBlock;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "firstlight::int4_mm_a8 x must be [M, ", K, "], got ", x.sizes());
@@ -707,7 +736,7 @@ at::Tensor int4_mm_a8(const at::Tensor& x, const at::Tensor& packed, const at::T
   int8_t* qp = qx.data_ptr<int8_t>();
   float* sp = sc.data_ptr<float>();
   for (int64_t r = 0; r < M; ++r)
-    quantize_row_q8(xp + r * K, K, G, qp + r * K, sp + r * (nblocks + ngroups), sp + r * (nblocks + ngroups) + nblocks);
+    firstlight::quantize_row_q8(xp + r * K, K, G, qp + r * K, sp + r * (nblocks + ngroups), sp + r * (nblocks + ngroups) + nblocks);
   if (M > max_tiled_m) {  // prefill: the same numerics, W~ x^, through the fp32 path on x^ = dx * qx
     const at::Tensor xh = (qx.to(at::kFloat).view({M, nblocks, kBlock}) *
                            sc.narrow(1, 0, nblocks).unsqueeze(2)).view({M, K});
@@ -746,7 +775,7 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
     qx = at::empty({M, K}, xf.options().dtype(at::kChar));
     sc = at::empty({M, nblocks + 1}, xf.options());  // dx per block, then the (unused) sum
     for (int64_t r = 0; r < M; ++r)
-      quantize_row_q8(xf.data_ptr<float>() + r * K, K, K, qx.data_ptr<int8_t>() + r * K,
+      firstlight::quantize_row_q8(xf.data_ptr<float>() + r * K, K, K, qx.data_ptr<int8_t>() + r * K,
                       sc.data_ptr<float>() + r * (nblocks + 1), sc.data_ptr<float>() + r * (nblocks + 1) + nblocks);
   }
   if (M > max_tiled_m) {  // prefill: dequantize a slab of rows at a time (exact: int8 * fp32 scale), at::mm

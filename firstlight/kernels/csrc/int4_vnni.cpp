@@ -1,0 +1,195 @@
+// firstlight w4a8 matmul on AVX-512 VNNI: y[M, N] = W~ x^ (int4 weights, activations rounded to int8 per block
+// of 32, as int4_mm_a8 in int4_gemv.cpp), with one vpdpbusd for 64 products and no horizontal sums.
+//
+// Why a layout of its own: with the weights row-major (int4_gemv.cpp), one integer dot product covers one row's
+// block of 32, and the fp32 work per block (convert, scale by d * dx, add) costs as much as the dot product.
+// Here 16 output rows sit in the 16 int32 lanes of a register: every vpdpbusd multiplies 4 input channels of 16
+// rows by 4 activation bytes broadcast to every lane, so a block of 32 channels is 8 vpdpbusd per 16 rows and
+// one convert + one scaled fma for all 16, and the 16 sums are stored as they are (y's rows are contiguous).
+//
+// Layout (kernels.pack_int4_vnni, from int4's codes, scales and zeros; N a multiple of 16, K of 32):
+//   packed uint8 [N/16, K/8, 64]: tile c (rows 16c..16c+15), octet o (channels 8o..8o+7): byte 4r + j holds
+//                                 q[16c + r, 8o + j] in its low nibble and q[16c + r, 8o + 4 + j] in its high one
+//   d, m   fp32  [N/16, K/G, 16]: d[c, g, r] = scale of row 16c + r in group g (and m its zero term), as int4's
+//                                 w = fma(q, d, m), q in 0..15.
+// Per tile of MT activation rows x NT row tiles: int32 sums per block (8 vpdpbusd: unsigned nibbles x signed
+// activation bytes, at most 32 * 15 * 127 per lane), then acc += float(sum) * d * dx_b per block and
+// acc += m * xs_g per group (xs_g: the group's sum of x^). Threads: at::parallel_for over row tiles.
+// Built only where the compiler targets AVX-512 VNNI (kernels/__init__.py's avx512vnni ISA); elsewhere the
+// entry point raises (the Python side never packs this layout there).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "firstlight_kernels.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define FIRSTLIGHT_VNNI 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32, kTile = 16;
+
+#ifdef FIRSTLIGHT_VNNI
+inline __m512i bcast4(const int8_t* p) {  // 4 activation bytes into every int32 lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// y[t, 16 (c0 + c) + r] for t < MT activation rows (qx / sc rows at stride ldq / lds), c < NT row tiles from c0.
+template <int MT, int NT>
+void vnni_tile(const int8_t* qx, int64_t ldq, const float* sc, int64_t lds, int64_t K, int64_t G,
+               const uint8_t* wv, const float* dv, const float* mv, float* y, int64_t ldy, int64_t c0) {
+  const int64_t ngroups = K / G, bpg = G / kBlock, nblocks = K / kBlock, octets = K / 8;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[MT][NT];
+#pragma GCC unroll 16
+  for (int t = 0; t < MT; ++t)
+#pragma GCC unroll 16
+    for (int c = 0; c < NT; ++c) acc[t][c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ngroups; ++g) {
+    for (int64_t bb = 0; bb < bpg; ++bb) {
+      const int64_t b = g * bpg + bb;
+      __m512i isum[MT][NT];
+#pragma GCC unroll 16
+      for (int t = 0; t < MT; ++t)
+#pragma GCC unroll 16
+        for (int c = 0; c < NT; ++c) isum[t][c] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int o = 0; o < 4; ++o) {
+        const int64_t k = b * kBlock + 8 * o;
+        __m512i wlo[NT], whi[NT];
+#pragma GCC unroll 16
+        for (int c = 0; c < NT; ++c) {
+          const __m512i raw = _mm512_loadu_si512(wv + ((c0 + c) * octets + k / 8) * 64);
+          wlo[c] = _mm512_and_si512(raw, low);
+          whi[c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        }
+#pragma GCC unroll 16
+        for (int t = 0; t < MT; ++t) {
+          const __m512i xl = bcast4(qx + t * ldq + k), xh = bcast4(qx + t * ldq + k + 4);
+#pragma GCC unroll 16
+          for (int c = 0; c < NT; ++c) {
+            isum[t][c] = _mm512_dpbusd_epi32(isum[t][c], wlo[c], xl);
+            isum[t][c] = _mm512_dpbusd_epi32(isum[t][c], whi[c], xh);
+          }
+        }
+      }
+#pragma GCC unroll 16
+      for (int c = 0; c < NT; ++c) {
+        const __m512 vd = _mm512_loadu_ps(dv + ((c0 + c) * ngroups + g) * kTile);
+#pragma GCC unroll 16
+        for (int t = 0; t < MT; ++t)
+          acc[t][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t][c]), _mm512_mul_ps(vd, _mm512_set1_ps(sc[t * lds + b])),
+                                      acc[t][c]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int c = 0; c < NT; ++c) {
+      const __m512 vm = _mm512_loadu_ps(mv + ((c0 + c) * ngroups + g) * kTile);
+#pragma GCC unroll 16
+      for (int t = 0; t < MT; ++t)
+        acc[t][c] = _mm512_fmadd_ps(vm, _mm512_set1_ps(sc[t * lds + nblocks + g]), acc[t][c]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int t = 0; t < MT; ++t)
+#pragma GCC unroll 16
+    for (int c = 0; c < NT; ++c) _mm512_storeu_ps(y + t * ldy + (c0 + c) * kTile, acc[t][c]);
+}
+
+// Row tiles c0..c1 for all M rows: NT tiles at a time, MT activation rows at a time (the tiles' weights, 16 rows
+// x K / 2 bytes each, stay in L1 while every activation tile reads them).
+template <int NT>
+void vnni_rows(const int8_t* qx, const float* sc, int64_t lds, int64_t M, int64_t K, int64_t G, const uint8_t* wv,
+               const float* dv, const float* mv, float* y, int64_t N, int64_t c0, int64_t c1) {
+  using Fn = void (*)(const int8_t*, int64_t, const float*, int64_t, int64_t, int64_t, const uint8_t*,
+                      const float*, const float*, float*, int64_t, int64_t);
+  constexpr Fn full[4] = {vnni_tile<1, NT>, vnni_tile<2, NT>, vnni_tile<3, NT>, vnni_tile<4, NT>};
+  constexpr Fn one[4] = {vnni_tile<1, 1>, vnni_tile<2, 1>, vnni_tile<3, 1>, vnni_tile<4, 1>};
+  for (int64_t c = c0; c < c1; c += NT) {
+    const Fn* fn = c + NT <= c1 ? full : one;
+    const int64_t step = c + NT <= c1 ? NT : 1;
+    for (int64_t cc = c; cc < std::min(c + NT, c1); cc += step)
+      for (int64_t r0 = 0; r0 < M; r0 += 4) {
+        const int64_t mt = std::min<int64_t>(4, M - r0);
+        fn[mt - 1](qx + r0 * K, K, sc + r0 * lds, lds, K, G, wv, dv, mv, y + r0 * N, N, cc);
+      }
+  }
+}
+#endif
+
+}  // namespace
+
+at::Tensor int4_mm_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
+                        int64_t G) {
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(2) == 64,
+              "firstlight::int4 VNNI packed must be contiguous uint8 [N/16, K/8, 64]");
+  const int64_t tiles = packed.size(0), N = tiles * kTile, K = packed.size(1) * 8;
+  TORCH_CHECK(G >= kBlock && (G & (G - 1)) == 0 && K % G == 0,
+              "firstlight::int4 group_size must be a power of two >= 32 dividing K, got ", G);
+  for (const auto* t : {&d, &m})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == tiles &&
+                    t->size(1) == K / G && t->size(2) == kTile,
+                "firstlight::int4 VNNI scales/mins must be contiguous fp32 [N/16, K/G, 16]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "firstlight::int4_mm_a8 x must be [M, ", K, "], got ", x.sizes());
+#ifdef FIRSTLIGHT_VNNI
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0), ngroups = K / G, nblocks = K / kBlock, lds = nblocks + ngroups;
+  at::Tensor y = at::empty({M, N}, xf.options());
+  if (M == 0) return y;
+  at::Tensor qx = at::empty({M, K}, xf.options().dtype(at::kChar));
+  at::Tensor sc = at::empty({M, lds}, xf.options());  // dx per block, then xs per group
+  const float* xp = xf.data_ptr<float>();
+  int8_t* qp = qx.data_ptr<int8_t>();
+  float* sp = sc.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) firstlight::quantize_row_q8(xp + r * K, K, G, qp + r * K, sp + r * lds, sp + r * lds + nblocks);
+  });
+  const uint8_t* wv = packed.data_ptr<uint8_t>();
+  const float *dp = d.data_ptr<float>(), *mp = m.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t grain = M == 1 ? 4 : 2;
+  at::parallel_for(0, tiles, grain, [&](int64_t c0, int64_t c1) {
+    if (M == 1)
+      vnni_rows<4>(qp, sp, lds, M, K, G, wv, dp, mp, yp, N, c0, c1);
+    else
+      vnni_rows<2>(qp, sp, lds, M, K, G, wv, dp, mp, yp, N, c0, c1);
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "firstlight::int4 VNNI layout given to a library built without AVX-512 VNNI");
+#endif
+}
+
+// The fp32 weight [N, K] of the VNNI layout: fma(q, d, m) per weight, as int4_dequant of the row-major layout.
+at::Tensor int4_dequant_vnni(const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m, int64_t G) {
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.size(2) == 64,
+              "firstlight::int4 VNNI packed must be contiguous uint8 [N/16, K/8, 64]");
+  const int64_t tiles = packed.size(0), K = packed.size(1) * 8, ngroups = K / G;
+  TORCH_CHECK(d.is_contiguous() && m.is_contiguous() && d.numel() == tiles * ngroups * kTile &&
+                  m.numel() == d.numel(), "firstlight::int4 VNNI scales/mins must be fp32 [N/16, K/G, 16]");
+  at::Tensor w = at::empty({tiles * kTile, K}, d.options());
+  const uint8_t* wv = packed.data_ptr<uint8_t>();
+  const float *dp = d.data_ptr<float>(), *mp = m.data_ptr<float>();
+  float* out = w.data_ptr<float>();
+  at::parallel_for(0, tiles, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c)
+      for (int64_t o = 0; o < K / 8; ++o)
+        for (int64_t r = 0; r < kTile; ++r)
+          for (int64_t j = 0; j < 8; ++j) {
+            const uint8_t byte = wv[(c * (K / 8) + o) * 64 + 4 * r + (j & 3)];
+            const int64_t k = 8 * o + j, g = k / G, i = (c * ngroups + g) * kTile + r;
+            const float q = static_cast<float>(j < 4 ? (byte & 0xF) : (byte >> 4));
+            out[(c * kTile + r) * K + k] = std::fma(q, dp[i], mp[i]);
+          }
+  });
+  return w;
+}

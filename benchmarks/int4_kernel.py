@@ -1,17 +1,20 @@
-"""firstlight's int4 CPU kernel (firstlight::int4_mm; int4_mm_a8 with int8 activations, the w4a8 format) vs
-torch's aten._weight_int4pack_mm_for_cpu vs fp32 torch.mm, at SmolLM2-135M's linear shapes, same run, same
+"""firstlight's int4 CPU kernel (firstlight::int4_mm; int4_mm_a8 with int8 activations, the w4a8 format, on
+int4's row-major layout and, on an AVX-512 VNNI CPU, on the VNNI layout w4a8 packs there) vs torch's
+aten._weight_int4pack_mm_for_cpu vs fp32 torch.mm, at SmolLM2-135M's linear shapes, same run, same
 threads; then the int8 weight-only kernel (firstlight::int8_mm, fp32 / int8 activations) vs
 aten._weight_int8pack_mm (bf16 activations) at the tied LM head's shape and one layer's.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/kernels.py --threads 1
-    PYTHONPATH=. .venv/bin/python benchmarks/kernels.py --threads 2 --ms 1,4,8,32,128
-    PYTHONPATH=. .venv/bin/python benchmarks/kernels.py --threads 1 --step     # one decode step's int4 matmuls
+    PYTHONPATH=. .venv/bin/python benchmarks/int4_kernel.py --threads 1
+    PYTHONPATH=. .venv/bin/python benchmarks/int4_kernel.py --threads 2 --ms 1,4,8,32,128
+    PYTHONPATH=. .venv/bin/python benchmarks/int4_kernel.py --threads 1 --step     # one decode step's int4 matmuls
 
 Each cell: the median of --repeats rounds; a round times every kernel of the row once, one after the
 other (each sample loops enough calls to last ~2 ms), so load from other processes hits them alike.
 aten gets bfloat16 activations (how Int4WeightOnlyLinear used it on CPU); ours and torch.mm take fp32.
 GB/s = int4 weight bytes (N*K/2 codes + the scales/zeros each kernel reads) / time; the bound is the
-machine's copy bandwidth (a 256 MiB tensor copy, read + write), measured in the same run.
+machine's copy bandwidth (a 256 MiB tensor copy, read + write), measured in the same run. "vnni" (AVX-512
+VNNI CPUs only): int4_mm_a8 on kernels.pack_int4_vnni's layout, with its GOP/s (2 M N K / time) next to fp32
+torch.mm's GFLOP/s (the BLAS's rate is the fp32 compute bound this machine reaches).
 """
 
 from __future__ import annotations
@@ -134,14 +137,17 @@ def main() -> None:
     rows = []
     print(f"threads {args.threads}, kernel {isa}, group {g}, copy bandwidth {bw:.1f} GB/s, "
           f"load {os.getloadavg()[0]:.2f}")
+    vnni = isa == "avx512vnni"
     print(f"{'K->N':>12} {'M':>4} {'ours us':>9} {'a8 us':>8} {'aten us':>9} {'fp32 mm us':>10} {'aten/ours':>9} "
-          f"{'ours/a8':>8} {'mm/ours':>8} {'ours GB/s':>9} {'a8 GB/s':>8} {'aten GB/s':>9}")
+          f"{'ours/a8':>8} {'mm/ours':>8} {'ours GB/s':>9} {'a8 GB/s':>8} {'aten GB/s':>9} {'vnni us':>8} "
+          f"{'a8/vnni':>8} {'mm/vnni':>8} {'vnni GOP/s':>10} {'mm GFLOP/s':>10}")
     with torch.inference_mode():
         for k, n in SHAPES:
             torch.manual_seed(0)
             w = torch.randn(n, k) / k**0.5
             q, scale, zero = quantize_groupwise_int4(w, g, param_dtype=torch.bfloat16)
             packed, d, mins = ik.pack_int4(q, scale, zero, g)
+            vp, vd, vm = ik.pack_int4_vnni(packed, d, mins) if vnni else (None, None, None)
             apacked = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             sz = torch.stack([scale, zero], dim=-1).bfloat16()
             wf = w.t().contiguous()  # [K, N] for x @ wf
@@ -150,18 +156,24 @@ def main() -> None:
             for mm in (int(s) for s in args.ms.split(",")):
                 x = torch.randn(mm, k)
                 xb = x.bfloat16()
-                t_ours, t_a8, t_aten, t_mm = _interleaved([
-                    lambda x=x, p=packed, d=d, mi=mins: ik.int4_mm(x, p, d, mi, g),
-                    lambda x=x, p=packed, d=d, mi=mins: ik.int4_mm_a8(x, p, d, mi, g),
-                    lambda xb=xb, p=apacked, sz=sz: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p, g, sz),
-                    lambda x=x, wf=wf: torch.mm(x, wf)], args.repeats)
+                fns = [lambda x=x, p=packed, d=d, mi=mins: ik.int4_mm(x, p, d, mi, g),
+                       lambda x=x, p=packed, d=d, mi=mins: ik.int4_mm_a8(x, p, d, mi, g),
+                       lambda xb=xb, p=apacked, sz=sz: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p, g, sz),
+                       lambda x=x, wf=wf: torch.mm(x, wf)]
+                if vnni:
+                    fns.append(lambda x=x, vp=vp, vd=vd, vm=vm: ik.int4_mm_a8(x, vp, vd, vm, g))
+                t_ours, t_a8, t_aten, t_mm, *t_v = _interleaved(fns, args.repeats)
                 row = dict(k=k, n=n, m=mm, ours_us=t_ours * 1e6, a8_us=t_a8 * 1e6, aten_us=t_aten * 1e6,
                            mm_us=t_mm * 1e6, ours_gbs=ours_bytes / t_ours / 1e9, a8_gbs=ours_bytes / t_a8 / 1e9,
-                           aten_gbs=aten_bytes / t_aten / 1e9)
+                           aten_gbs=aten_bytes / t_aten / 1e9, vnni_us=t_v[0] * 1e6 if t_v else None)
                 rows.append(row)
+                flop = 2 * mm * n * k
+                vcols = (f"{t_v[0] * 1e6:>8.1f} {t_a8 / t_v[0]:>8.2f} {t_mm / t_v[0]:>8.2f} {flop / t_v[0] / 1e9:>10.0f}"
+                         if t_v else f"{'-':>8} {'-':>8} {'-':>8} {'-':>10}")
                 print(f"{f'{k}->{n}':>12} {mm:>4} {row['ours_us']:>9.1f} {row['a8_us']:>8.1f} {row['aten_us']:>9.1f} "
                       f"{row['mm_us']:>10.1f} {t_aten / t_ours:>9.2f} {t_ours / t_a8:>8.2f} {t_mm / t_ours:>8.2f} "
-                      f"{row['ours_gbs']:>9.1f} {row['a8_gbs']:>8.1f} {row['aten_gbs']:>9.1f}")
+                      f"{row['ours_gbs']:>9.1f} {row['a8_gbs']:>8.1f} {row['aten_gbs']:>9.1f} {vcols} "
+                      f"{flop / t_mm / 1e9:>10.0f}")
         int8_rows(args, rows)
     if args.json:
         print(json.dumps(dict(threads=args.threads, isa=isa, copy_gbs=bw, load=os.getloadavg()[0], rows=rows)))

@@ -29,8 +29,8 @@ Bounds (roofline, Williams et al. 2009), per server from its own weight format a
 of batch c costs max(weight bytes / copy bandwidth, c x 2 x matmul params FLOPs / GEMM rate of the kernel
 at M = c), a prompt of 128 tokens 128 x 2 x params / GEMM rate at M = 128; rates and bandwidth measured in
 this process before the servers start, with the same thread count. llama.cpp's kernels are not measured
-here: its bound uses the GGUF's bytes and the int8 GEMM rate (the Q4_1 x Q8_1 dot products it runs are
-int8 multiply-adds).
+here: its bound uses the GGUF's bytes and our w4a8 GEMM rate (the Q4_1 x Q8_1 dot products it runs are
+w4a8's int4 x int8 multiply-adds).
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def servers(args: argparse.Namespace, port: int) -> list[Server]:
                               "--port", str(port), "--n_threads", str(args.threads), "--n_threads_batch",
                               str(args.threads), "--n_ctx", "4096", "--model_alias", args.model,
                               "--interrupt_requests", "False"],  # default: a new request cuts the running stream
-                args.model, "int8", 0, length_by="min_tokens")
+                args.model, "w4a8", 0, length_by="min_tokens")
     if importlib.util.find_spec("llama_cpp") is None:
         ll.missing = "llama-cpp-python is not installed (make bench-peers builds it)"
     elif gguf is None:

@@ -1,13 +1,15 @@
 """firstlight's own CPU kernels, one extension built once per machine at first use, from csrc/:
-int4_gemv.cpp (int4 and int8 weights), int4_vnni.cpp (w4a8 on AVX-512 VNNI), f32_gemm.cpp (fp32 weights at decode-sized batches),
-paged_attention.cpp (decode attention over the paged KV pools), dense_decode.cpp (a dense decoder's whole
-decode step, engine/native_decode.py); firstlight_kernels.h holds what they share.
+int4_gemv.cpp (int4 and int8 weights), int4_vnni.cpp (w4a8 on its tiled layout: AVX-512 VNNI or AVX2),
+f32_gemm.cpp (fp32 weights at decode-sized batches), paged_attention.cpp (decode attention over the paged KV
+pools), dense_decode.cpp (a dense decoder's whole decode step, engine/native_decode.py); firstlight_kernels.h
+holds what they share.
 
 `torch.utils.cpp_extension.load` compiles them into `$FIRSTLIGHT_HOME/kernels/<name>` (-O3 -fopenmp, plus
--mavx2 -mfma when torch reports an AVX2 CPU, and the AVX-512 VNNI flags when the CPU has them: ISA avx512vnni) and loads the torch ops `firstlight::int4_mm`, `int8_mm`, `f32_mm`,
-`paged_decode_attention`, `dense_decode`, ... (registered in C++ with TORCH_LIBRARY, so an eager call costs one
-dispatcher hop, not a Python one; `register_fake` here gives torch.compile their shapes, so a compiled decode
-keeps each call as one opaque node).
+-mavx2 -mfma when torch reports an AVX2 CPU, and the AVX-512 VNNI flags when the CPU has them: ISA
+avx512vnni) and loads the torch ops `firstlight::int4_mm`, `int8_mm`, `f32_mm`, `paged_decode_attention`,
+`dense_decode`, ... (registered in C++ with TORCH_LIBRARY, so an eager call costs one dispatcher hop, not a
+Python one; `register_fake` here gives torch.compile their shapes, so a compiled decode keeps each call as
+one opaque node).
 
 FIRSTLIGHT_CPU_KERNELS (FIRSTLIGHT_INT4_KERNEL, its earlier name, is read when it is unset): `auto` (default)
 uses ours if it builds, else torch's kernels with one warning; `aten` forces torch's; `firstlight` requires ours
@@ -28,13 +30,14 @@ from firstlight.quant.registry import QuantizationError
 
 ENV = "FIRSTLIGHT_CPU_KERNELS"
 OLD_ENV = "FIRSTLIGHT_INT4_KERNEL"  # the switch's name while the extension held only the int4 kernel
-ISA_ENV = "FIRSTLIGHT_CPU_KERNELS_ISA"  # `scalar` builds the portable path on an AVX2 machine (its tests)
+ISA_ENV = "FIRSTLIGHT_CPU_KERNELS_ISA"  # force one of ISAS: `scalar` builds the portable path (its tests), `avx2` the row-major w4a8 on a VNNI CPU
 MODES = ("auto", "aten", "firstlight")
 SOURCE = Path(__file__).parent / "csrc" / "int4_gemv.cpp"
 SOURCES = (SOURCE, *(SOURCE.with_name(n) for n in ("int4_vnni.cpp", "f32_gemm.cpp", "paged_attention.cpp", "dense_decode.cpp")))
 ISAS = ("avx512vnni", "avx2", "scalar")
 VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")  # /proc/cpuinfo names
 VNNI_TILE = 16  # output rows per int32 register of the VNNI layout (pack_int4_vnni)
+TILED_ISAS = ("avx512vnni", "avx2")  # the builds whose int4_mm_a8 takes that layout (int4_vnni.cpp)
 HEADERS = (SOURCE.with_name("firstlight_kernels.h"),)
 BLOCK = 32  # input channels per 16-byte block of nibbles
 # Above this many activation rows, int4_mm dequantizes slabs and calls at::mm; from 6 rows up to it, the

@@ -110,8 +110,9 @@ def dequantize_groupwise_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.
 
 
 def vnni_layout(out_features: int) -> bool:
-    """Whether a w4a8 linear of this many rows takes the AVX-512 VNNI layout (kernels.pack_int4_vnni)."""
-    return kernels.load_kernel() == "avx512vnni" and out_features % kernels.VNNI_TILE == 0
+    """Whether a w4a8 linear of this many rows takes the tiled (VNNI) layout (kernels.pack_int4_vnni): with our
+    AVX-512 VNNI or AVX2 kernel (vpdpbusd, or maddubs + madd, per 16 rows), not the scalar build."""
+    return kernels.load_kernel() in kernels.TILED_ISAS and out_features % kernels.VNNI_TILE == 0
 
 
 def _inner_k_tiles(k: int) -> int:

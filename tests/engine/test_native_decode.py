@@ -48,9 +48,9 @@ def _same_with_and_without(model, tok, rounded_activations: bool = False, **conf
             assert lp_on == pytest.approx(lp_off, abs=1e-4)
             continue
         assert on[0] == off[0]
-        same = next((j for j, (a, b) in enumerate(zip(on, off)) if a != b), len(on))  # the common prefix
+        same = next((j for j, (a, b) in enumerate(zip(on, off, strict=True)) if a != b), len(on))  # the common prefix
         assert lp_on[:same] == pytest.approx(lp_off[:same], abs=0.05)
-        agree, total = agree + sum(a == b for a, b in zip(on, off)), total + len(on)
+        agree, total = agree + sum(a == b for a, b in zip(on, off, strict=True)), total + len(on)
     assert agree >= 0.8 * total
 
 

@@ -227,7 +227,7 @@ for m, n, kk, g in [(1, 24, 128, 32), (5, 16, 256, 64), (20, 8, 64, 32)]:
             k.int4_mm_a8(x, vp, vd, vm, g)
             raise AssertionError("the scalar library ran the VNNI layout")
         except RuntimeError as e:
-            assert "without AVX-512 VNNI" in str(e), e
+            assert "VNNI layout given to a library built without" in str(e), e
     w32, b32 = torch.randn(n + 3, kk + 5), torch.randn(n + 3)
     x32 = torch.randn(m, kk + 5)
     ref = x32.double() @ w32.double().t() + b32.double()

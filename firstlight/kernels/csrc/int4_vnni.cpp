@@ -15,8 +15,8 @@
 // Per tile of MT activation rows x NT row tiles: int32 sums per block (8 vpdpbusd: unsigned nibbles x signed
 // activation bytes, at most 32 * 15 * 127 per lane), then acc += float(sum) * d * dx_b per block and
 // acc += m * xs_g per group (xs_g: the group's sum of x^). Threads: at::parallel_for over row tiles.
-// Built only where the compiler targets AVX-512 VNNI (kernels/__init__.py's avx512vnni ISA); elsewhere the
-// entry point raises (the Python side never packs this layout there).
+// On AVX-512 VNNI (kernels/__init__.py's avx512vnni ISA) as above; on AVX2 the same layout with maddubs + madd
+// per 8 rows (avx2_tile); a scalar build raises (the Python side packs this layout only for those two ISAs).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -29,6 +29,9 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define FIRSTLIGHT_VNNI 1
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define FIRSTLIGHT_VNNI_AVX2 1
 #endif
 
 namespace {
@@ -125,6 +128,85 @@ void vnni_rows(const int8_t* qx, const float* sc, int64_t lds, int64_t M, int64_
 }
 #endif
 
+#ifdef FIRSTLIGHT_VNNI_AVX2
+// The same layout on AVX2 (no vpdpbusd): each 64-byte octet is two registers of 8 rows; per row and octet
+// maddubs (unsigned nibbles x signed bytes -> int16 pairs) of the low and the high nibbles, summed in int16
+// over the whole block (8 maddubs of at most 2 * 15 * 127 each: 30,480 < 32,767, no saturation), then one
+// madd with ones to int32 per block: 4 ops per 64 products where fp32 fma does 8 per op.
+inline __m256i bcast4_256(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+template <int MT>
+void avx2_tile(const int8_t* qx, int64_t ldq, const float* sc, int64_t lds, int64_t K, int64_t G,
+               const uint8_t* wv, const float* dv, const float* mv, float* y, int64_t ldy, int64_t c) {
+  const int64_t ngroups = K / G, bpg = G / kBlock, nblocks = K / kBlock, octets = K / 8;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const uint8_t* wc = wv + c * octets * 64;
+  __m256 acc[MT][2];
+#pragma GCC unroll 8
+  for (int t = 0; t < MT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ngroups; ++g) {
+    for (int64_t bb = 0; bb < bpg; ++bb) {
+      const int64_t b = g * bpg + bb;
+      __m256i s16[MT][2];
+#pragma GCC unroll 8
+      for (int t = 0; t < MT; ++t) s16[t][0] = s16[t][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int o = 0; o < 4; ++o) {
+        const int64_t k = b * kBlock + 8 * o;
+        const uint8_t* p = wc + (k / 8) * 64;
+        const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+        const __m256i lo0 = _mm256_and_si256(r0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(r0, 4), low);
+        const __m256i lo1 = _mm256_and_si256(r1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(r1, 4), low);
+#pragma GCC unroll 8
+        for (int t = 0; t < MT; ++t) {
+          const __m256i xl = bcast4_256(qx + t * ldq + k), xh = bcast4_256(qx + t * ldq + k + 4);
+          s16[t][0] = _mm256_add_epi16(s16[t][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl),
+                                                                   _mm256_maddubs_epi16(hi0, xh)));
+          s16[t][1] = _mm256_add_epi16(s16[t][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl),
+                                                                   _mm256_maddubs_epi16(hi1, xh)));
+        }
+      }
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256 vd = _mm256_loadu_ps(dv + (c * ngroups + g) * kTile + 8 * h);
+#pragma GCC unroll 8
+        for (int t = 0; t < MT; ++t)
+          acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[t][h], ones)),
+                                      _mm256_mul_ps(vd, _mm256_set1_ps(sc[t * lds + b])), acc[t][h]);
+      }
+    }
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256 vm = _mm256_loadu_ps(mv + (c * ngroups + g) * kTile + 8 * h);
+#pragma GCC unroll 8
+      for (int t = 0; t < MT; ++t)
+        acc[t][h] = _mm256_fmadd_ps(vm, _mm256_set1_ps(sc[t * lds + nblocks + g]), acc[t][h]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < MT; ++t) {
+    _mm256_storeu_ps(y + t * ldy + c * kTile, acc[t][0]);
+    _mm256_storeu_ps(y + t * ldy + c * kTile + 8, acc[t][1]);
+  }
+}
+
+void avx2_rows(const int8_t* qx, const float* sc, int64_t lds, int64_t M, int64_t K, int64_t G, const uint8_t* wv,
+               const float* dv, const float* mv, float* y, int64_t N, int64_t c0, int64_t c1) {
+  using Fn = decltype(&avx2_tile<1>);
+  constexpr Fn fn[4] = {avx2_tile<1>, avx2_tile<2>, avx2_tile<3>, avx2_tile<4>};
+  for (int64_t c = c0; c < c1; ++c)
+    for (int64_t r0 = 0; r0 < M; r0 += 4) {
+      const int64_t mt = std::min<int64_t>(4, M - r0);
+      fn[mt - 1](qx + r0 * K, K, sc + r0 * lds, lds, K, G, wv, dv, mv, y + r0 * N, N, c);
+    }
+}
+#endif
+
 }  // namespace
 
 at::Tensor int4_mm_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
@@ -140,7 +222,7 @@ at::Tensor int4_mm_vnni(const at::Tensor& x, const at::Tensor& packed, const at:
                     t->size(1) == K / G && t->size(2) == kTile,
                 "firstlight::int4 VNNI scales/mins must be contiguous fp32 [N/16, K/G, 16]");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "firstlight::int4_mm_a8 x must be [M, ", K, "], got ", x.sizes());
-#ifdef FIRSTLIGHT_VNNI
+#if defined(FIRSTLIGHT_VNNI) || defined(FIRSTLIGHT_VNNI_AVX2)
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t M = xf.size(0), ngroups = K / G, nblocks = K / kBlock, lds = nblocks + ngroups;
   at::Tensor y = at::empty({M, N}, xf.options());
@@ -158,14 +240,18 @@ at::Tensor int4_mm_vnni(const at::Tensor& x, const at::Tensor& packed, const at:
   float* yp = y.data_ptr<float>();
   const int64_t grain = M == 1 ? 4 : 2;
   at::parallel_for(0, tiles, grain, [&](int64_t c0, int64_t c1) {
+#ifdef FIRSTLIGHT_VNNI
     if (M == 1)
       vnni_rows<4>(qp, sp, lds, M, K, G, wv, dp, mp, yp, N, c0, c1);
     else
       vnni_rows<2>(qp, sp, lds, M, K, G, wv, dp, mp, yp, N, c0, c1);
+#else
+    avx2_rows(qp, sp, lds, M, K, G, wv, dp, mp, yp, N, c0, c1);
+#endif
   });
   return y;
 #else
-  TORCH_CHECK(false, "firstlight::int4 VNNI layout given to a library built without AVX-512 VNNI");
+  TORCH_CHECK(false, "firstlight::int4 VNNI layout given to a library built without AVX2 or AVX-512 VNNI");
 #endif
 }
 

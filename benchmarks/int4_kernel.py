@@ -12,9 +12,10 @@ Each cell: the median of --repeats rounds; a round times every kernel of the row
 other (each sample loops enough calls to last ~2 ms), so load from other processes hits them alike.
 aten gets bfloat16 activations (how Int4WeightOnlyLinear used it on CPU); ours and torch.mm take fp32.
 GB/s = int4 weight bytes (N*K/2 codes + the scales/zeros each kernel reads) / time; the bound is the
-machine's copy bandwidth (a 256 MiB tensor copy, read + write), measured in the same run. "vnni" (AVX-512
-VNNI CPUs only): int4_mm_a8 on kernels.pack_int4_vnni's layout, with its GOP/s (2 M N K / time) next to fp32
-torch.mm's GFLOP/s (the BLAS's rate is the fp32 compute bound this machine reaches).
+machine's copy bandwidth (a 256 MiB tensor copy, read + write), measured in the same run. "vnni":
+int4_mm_a8 on kernels.pack_int4_vnni's tiled layout (vpdpbusd on AVX-512 VNNI, maddubs + madd on AVX2; not
+the scalar build), with its GOP/s (2 M N K / time) next to fp32 torch.mm's GFLOP/s (the BLAS's rate is the
+fp32 compute bound this machine reaches).
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def main() -> None:
     rows = []
     print(f"threads {args.threads}, kernel {isa}, group {g}, copy bandwidth {bw:.1f} GB/s, "
           f"load {os.getloadavg()[0]:.2f}")
-    vnni = isa == "avx512vnni"
+    vnni = isa in ik.TILED_ISAS  # w4a8's tiled layout: vpdpbusd (avx512vnni) or maddubs (avx2)
     print(f"{'K->N':>12} {'M':>4} {'ours us':>9} {'a8 us':>8} {'aten us':>9} {'fp32 mm us':>10} {'aten/ours':>9} "
           f"{'ours/a8':>8} {'mm/ours':>8} {'ours GB/s':>9} {'a8 GB/s':>8} {'aten GB/s':>9} {'vnni us':>8} "
           f"{'a8/vnni':>8} {'mm/vnni':>8} {'vnni GOP/s':>10} {'mm GFLOP/s':>10}")

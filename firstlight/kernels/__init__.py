@@ -30,7 +30,7 @@ from firstlight.quant.registry import QuantizationError
 
 ENV = "FIRSTLIGHT_CPU_KERNELS"
 OLD_ENV = "FIRSTLIGHT_INT4_KERNEL"  # the switch's name while the extension held only the int4 kernel
-ISA_ENV = "FIRSTLIGHT_CPU_KERNELS_ISA"  # force one of ISAS: `scalar` builds the portable path (its tests), `avx2` the row-major w4a8 on a VNNI CPU
+ISA_ENV = "FIRSTLIGHT_CPU_KERNELS_ISA"  # force one of ISAS: `scalar` the portable path (its tests), `avx2` on a VNNI CPU
 MODES = ("auto", "aten", "firstlight")
 SOURCE = Path(__file__).parent / "csrc" / "int4_gemv.cpp"
 SOURCES = (SOURCE, *(SOURCE.with_name(n) for n in ("int4_vnni.cpp", "f32_gemm.cpp", "paged_attention.cpp", "dense_decode.cpp")))
@@ -197,8 +197,9 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_si
 
 
 def pack_int4_vnni(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """pack_int4's layout -> the AVX-512 VNNI one (csrc/int4_vnni.cpp): packed uint8 [N/16, K/8, 64], byte 4r + j
-    of octet o in tile c = q[16c + r, 8o + j] | q[16c + r, 8o + 4 + j] << 4; d, m [N/16, K/G, 16]. N % 16 == 0."""
+    """pack_int4's layout -> w4a8's tiled (VNNI) one (csrc/int4_vnni.cpp; avx512vnni and avx2 builds): packed
+    uint8 [N/16, K/8, 64], byte 4r + j of octet o in tile c = q[16c + r, 8o + j] | q[16c + r, 8o + 4 + j] << 4;
+    d, m [N/16, K/G, 16]. N % 16 == 0."""
     n, half = packed.shape
     if n % VNNI_TILE:
         raise QuantizationError(f"the VNNI int4 layout needs N a multiple of {VNNI_TILE}, got {n}")

@@ -6,7 +6,7 @@ from pydantic import ValidationError
 
 from firstlight.engine.detokenizer import IncrementalDetokenizer
 from firstlight.engine.request import Request, SamplingParams
-from firstlight.engine.sampler import Sampler, apply_penalties, filter_logits
+from firstlight.engine.sampler import TOP_P_CANDIDATES, Sampler, apply_penalties, filter_logits, inverse_cdf
 
 V = 50
 
@@ -133,3 +133,38 @@ def test_stop_string_across_tokens(tiny) -> None:
         if stop:
             break
     assert stop == "brown f" and sent == "The quick "
+
+
+def _top_p_by_full_sort(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    p = x.softmax(-1)
+    order = p.argsort(descending=True)
+    keep = torch.zeros_like(x, dtype=torch.bool)
+    keep[order] = (p[order].cumsum(0) - p[order]) < top_p
+    return keep
+
+
+@pytest.mark.parametrize("scale", [8.0, 0.01])  # a peaked row (nucleus in the top 1024) and a flat one (it is not)
+def test_top_p_over_a_large_vocabulary_matches_the_full_sort(scale: float) -> None:
+    torch.manual_seed(3)
+    x = torch.randn(4 * TOP_P_CANDIDATES) * scale
+    for top_p in (0.5, 0.9, 0.99):
+        kept = filter_logits(x, SamplingParams(top_p=top_p)).isfinite()
+        assert kept.tolist() == _top_p_by_full_sort(x, top_p).tolist()
+
+
+@pytest.mark.parametrize("v", [768, 700])  # three blocks of 256; not a multiple of 256: one block
+def test_inverse_cdf_is_a_categorical_draw(v: int) -> None:
+    torch.manual_seed(0)
+    w = torch.rand(2, v) ** 4
+    w[:, ::3] = 0.0  # zero weights: never drawn
+    w[1, 300:] = 0.0  # a row whose mass ends early (last blocks all zero)
+    u = torch.rand(20000, dtype=torch.float64)
+    for row in range(2):
+        picks = inverse_cdf(w[row].expand(len(u), v).contiguous(), u)
+        assert (w[row, picks] > 0).all()
+        counts = torch.bincount(picks, minlength=v).double()
+        expected = w[row].double() / w[row].double().sum() * len(u)
+        assert ((counts - expected).abs() <= 5 * expected.sqrt() + 3).all()  # ~5 sigma per token
+    # u at the top of [0, 1): the last token with weight, not a zero one after it
+    last = inverse_cdf(w, torch.full((2,), 1.0 - 2**-53, dtype=torch.float64))
+    assert last.tolist() == [int(w[r].nonzero().max()) for r in range(2)]

@@ -70,12 +70,12 @@ def cpu_has_avx2() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def cpu_has_avx512_vnni() -> bool:
-    """AVX-512 F/BW/VL/DQ and VNNI (Linux: the kernel's cpuinfo flags; elsewhere False)."""
+def cpu_has_avx512_vnni(cpuinfo: str | None = None) -> bool:
+    """AVX-512 F/BW/VL/DQ and VNNI (Linux: the kernel's cpuinfo flags, or the text given; elsewhere False)."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return False
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
     except OSError:
         return False
     line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")

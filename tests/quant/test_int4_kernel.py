@@ -245,3 +245,23 @@ def test_scalar_fallback_path_builds_and_matches(kernel_isa, tmp_path):
            kernels.ENV: "firstlight", "PYTHONPATH": os.getcwd()}
     res = subprocess.run([sys.executable, "-c", SCALAR_CHECK], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
+
+
+def test_isa_detection(monkeypatch):
+    full = "processor : 0\nflags : fpu sse avx2 fma avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16\n"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert kernels.cpu_has_avx512_vnni(full)
+    assert not kernels.cpu_has_avx512_vnni(full.replace(" avx512_vnni", ""))  # AVX-512 without VNNI: avx2 build
+    assert not kernels.cpu_has_avx512_vnni("processor : 0\n")  # no flags line
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert not kernels.cpu_has_avx512_vnni(full) and kernels.default_isa() == "avx2"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert kernels.default_isa() == "scalar"
+
+
+def test_unknown_isa_is_a_clear_error(mode, monkeypatch):
+    monkeypatch.setenv(kernels.ISA_ENV, "avx9000")
+    kernels.reset_for_tests()
+    monkeypatch.setattr(kernels, "_loaded", [])
+    with pytest.raises(QuantizationError, match="avx9000.*avx512vnni, avx2, scalar"):
+        kernels._build()

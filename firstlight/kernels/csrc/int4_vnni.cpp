@@ -1,5 +1,5 @@
-// firstlight w4a8 matmul on AVX-512 VNNI: y[M, N] = W~ x^ (int4 weights, activations rounded to int8 per block
-// of 32, as int4_mm_a8 in int4_gemv.cpp), with one vpdpbusd for 64 products and no horizontal sums.
+// firstlight w4a8 matmul on a tiled layout: y[M, N] = W~ x^ (int4 weights, activations rounded to int8 per block
+// of 32, as int4_mm_a8 in int4_gemv.cpp); on AVX-512 VNNI one vpdpbusd for 64 products, no horizontal sums.
 //
 // Why a layout of its own: with the weights row-major (int4_gemv.cpp), one integer dot product covers one row's
 // block of 32, and the fp32 work per block (convert, scale by d * dx, add) costs as much as the dot product.

@@ -95,7 +95,7 @@ def _ids(n: int = 96) -> list[int]:
     return [(7 * i + 3) % 50 + 1 for i in range(n)]
 
 
-@pytest.mark.parametrize("fmt", ["int4", "w8a8"])
+@pytest.mark.parametrize("fmt", ["int4", "w4a8", "w8a8"])  # w4a8: its GPTQ cache holds the tiled layout's buffers
 def test_gptq_model_is_closer_than_rtn_and_cache_round_trips(tiny_dirs, tmp_path, fmt):
     ref, _ = load_model(tiny_dirs["llama"], with_tokenizer=False)
     ids = torch.tensor([_ids()])

@@ -275,13 +275,49 @@ void int8_tile(const float* x, int64_t ldx, const int8_t* w, int64_t K, const fl
     for (int t = 0; t < MR; ++t) y[t * ldy + n + r] = out[r * MR + t] * s[n + r];
 }
 
+#ifdef __AVX512F__
+// int8_tile with 16-lane registers (the avx512vnni build): 16 weights converted per instruction, twice the fmas
+// per instruction, and 32 registers: always 4 output rows.
+template <int NR, int MR>
+void int8_tile512(const float* x, int64_t ldx, const int8_t* w, int64_t K, const float* s, float* y, int64_t ldy,
+                  int64_t n) {
+  __m512 acc[NR][MR];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < MR; ++t) acc[r][t] = _mm512_setzero_ps();
+  const int8_t* wr = w + n * K;
+  for (int64_t k = 0; k < K; k += kBlock) {
+    if ((k & 63) == 0)  // a line ahead (never faults)
+      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(wr + (NR + r) * K + k), _MM_HINT_T0);
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; ++i) {
+      __m512 wf[NR];
+      for (int r = 0; r < NR; ++r)
+        wf[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + r * K + k + 16 * i))));
+      for (int t = 0; t < MR; ++t) {
+        const __m512 xv = _mm512_loadu_ps(x + t * ldx + k + 16 * i);
+        for (int r = 0; r < NR; ++r) acc[r][t] = _mm512_fmadd_ps(wf[r], xv, acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < MR; ++t) y[t * ldy + n + r] = _mm512_reduce_add_ps(acc[r][t]) * s[n + r];
+}
+#endif
+
 template <int MR>
 void int8_rows(const float* x, int64_t ldx, const int8_t* w, int64_t K, const float* s, float* y, int64_t ldy,
                int64_t n0, int64_t n1) {
+#ifdef __AVX512F__
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) int8_tile512<4, MR>(x, ldx, w, K, s, y, ldy, n);
+  for (; n < n1; ++n) int8_tile512<1, MR>(x, ldx, w, K, s, y, ldy, n);
+#else
   constexpr int NR = nr_for(MR);
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) int8_tile<NR, MR>(x, ldx, w, K, s, y, ldy, n);
   for (; n < n1; ++n) int8_tile<1, MR>(x, ldx, w, K, s, y, ldy, n);
+#endif
 }
 
 using Int8RowsFn = decltype(&int8_rows<1>);

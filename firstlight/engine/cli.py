@@ -25,7 +25,7 @@ def serve(
     native_decode: bool = typer.Option(True, "--native-decode/--no-native-decode",
                                        help="Run a dense decoder's decode step in one native call (CPU, fp32 KV; "
                                             "other models and formats keep the modules: docs/ENGINE.md)."),
-    quantization: str = typer.Option("none", help="Weight quantization: none, int8, int4, fp8, w8a8."),
+    quantization: str = typer.Option("none", help="Weight quantization: none, int8, int4, w4a8, fp8, w8a8."),
     threads: int | None = typer.Option(None, help="torch intra-op threads (default: torch's)."),
     speculative: str = typer.Option("none", help="Speculative decoding: none, ngram, draft, heads, mtp (the checkpoint's own MTP layer)."),
     num_spec_tokens: int = typer.Option(4, help="Tokens proposed and verified per step when speculating "

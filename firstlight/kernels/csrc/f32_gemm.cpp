@@ -35,6 +35,14 @@ inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
+// One weight row's 8 lanes times the MR activation rows' into their accumulators (inlined: they stay registers).
+template <int MR>
+inline void fma_row(__m256 wv, __m256 v0, __m256 v1, __m256 v2, __m256& a0, __m256& a1, __m256& a2) {
+  a0 = _mm256_fmadd_ps(v0, wv, a0);
+  if (MR > 1) a1 = _mm256_fmadd_ps(v1, wv, a1);
+  if (MR > 2) a2 = _mm256_fmadd_ps(v2, wv, a2);
+}
+
 // y[r, 0..3] (+)= for r < MR: four weight rows (w, stride ldw) against MR activation rows (x, stride ldx), over K.
 template <int MR>
 void tile_avx2(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* y, int64_t ldy,
@@ -51,22 +59,10 @@ void tile_avx2(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t
     const __m256 v0 = _mm256_loadu_ps(x0 + k);
     const __m256 v1 = MR > 1 ? _mm256_loadu_ps(x1 + k) : v0;
     const __m256 v2 = MR > 2 ? _mm256_loadu_ps(x2 + k) : v0;
-    __m256 wv = _mm256_loadu_ps(w0 + k);
-    a00 = _mm256_fmadd_ps(v0, wv, a00);
-    if (MR > 1) a10 = _mm256_fmadd_ps(v1, wv, a10);
-    if (MR > 2) a20 = _mm256_fmadd_ps(v2, wv, a20);
-    wv = _mm256_loadu_ps(w1 + k);
-    a01 = _mm256_fmadd_ps(v0, wv, a01);
-    if (MR > 1) a11 = _mm256_fmadd_ps(v1, wv, a11);
-    if (MR > 2) a21 = _mm256_fmadd_ps(v2, wv, a21);
-    wv = _mm256_loadu_ps(w2 + k);
-    a02 = _mm256_fmadd_ps(v0, wv, a02);
-    if (MR > 1) a12 = _mm256_fmadd_ps(v1, wv, a12);
-    if (MR > 2) a22 = _mm256_fmadd_ps(v2, wv, a22);
-    wv = _mm256_loadu_ps(w3 + k);
-    a03 = _mm256_fmadd_ps(v0, wv, a03);
-    if (MR > 1) a13 = _mm256_fmadd_ps(v1, wv, a13);
-    if (MR > 2) a23 = _mm256_fmadd_ps(v2, wv, a23);
+    fma_row<MR>(_mm256_loadu_ps(w0 + k), v0, v1, v2, a00, a10, a20);
+    fma_row<MR>(_mm256_loadu_ps(w1 + k), v0, v1, v2, a01, a11, a21);
+    fma_row<MR>(_mm256_loadu_ps(w2 + k), v0, v1, v2, a02, a12, a22);
+    fma_row<MR>(_mm256_loadu_ps(w3 + k), v0, v1, v2, a03, a13, a23);
   }
   const __m128 sums[3] = {hsum4(a00, a01, a02, a03), hsum4(a10, a11, a12, a13), hsum4(a20, a21, a22, a23)};
   for (int r = 0; r < MR; ++r) {

@@ -31,6 +31,13 @@ namespace firstlight {
 // dx [K/32] = max|x_b| / 127, xs [K/G] = per group of G the sum of dx_b * sum(qx_b).
 void quantize_row_q8(const float* x, int64_t K, int64_t G, int8_t* qx, float* dx, float* xs);
 
+// Every row of x [M, K] (fp32, contiguous) as quantize_row_q8, threads over rows: qx [M, K] int8 and
+// sc [M, K/32 + K/G] (each row: dx, then xs).
+struct RowsQ8 {
+  at::Tensor qx, sc;
+};
+RowsQ8 quantize_rows_q8(const at::Tensor& xf, int64_t G);
+
 // f32_gemm.cpp: y[t, n] (+= with add) sum_k w[n, k] x[t, k] for n < nr (<= 4 output rows, stride ldw) and t < M
 // (activation rows, stride ldx), k < K, in register tiles of 4 x 3; pf: rows to prefetch meanwhile (or nullptr).
 void f32_block(const float* x, int64_t ldx, int64_t M, const float* w, int64_t ldw, int64_t K, float* y,

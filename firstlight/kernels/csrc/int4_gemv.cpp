@@ -244,80 +244,79 @@ void int4_mm_panel(const float* x, int64_t M, int64_t K, int64_t N, const uint8_
   });
 }
 
+// The vector width of int8_tile: 8 lanes (AVX2), or 16 in the avx512vnni build (16 weights converted per
+// instruction, twice the fmas per instruction, 32 registers: always 4 output rows).
+struct Lanes8 {
+  using T = __m256;
+  static constexpr int kLanes = 8;
+  static constexpr int nr(int mr) { return nr_for(mr); }
+  static T zero() { return _mm256_setzero_ps(); }
+  static T weights(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  template <int C>
+  static void sums(const T* acc, float* out) { hsums<C>(acc, out); }
+};
+
+#ifdef __AVX512F__
+struct Lanes16 {
+  using T = __m512;
+  static constexpr int kLanes = 16;
+  static constexpr int nr(int) { return 4; }
+  static T zero() { return _mm512_setzero_ps(); }
+  static T weights(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  template <int C>
+  static void sums(const T* acc, float* out) {
+    for (int i = 0; i < C; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
+  }
+};
+using Int8Lanes = Lanes16;
+#else
+using Int8Lanes = Lanes8;
+#endif
+
 // int8 weights, 2 <= M: register tiles of NR output rows x MR activation rows, each weight vector
 // sign-extended and converted once per tile (no fma: the row scale is applied to the sums), software
 // prefetch of the next tile's rows (without it, NR interleaved rows streamed from DRAM ran 1.7x slower).
-template <int NR, int MR>
+template <class V, int NR, int MR>
 void int8_tile(const float* x, int64_t ldx, const int8_t* w, int64_t K, const float* s, float* y, int64_t ldy,
                int64_t n) {
-  __m256 acc[NR][MR];
+  typename V::T acc[NR][MR];
   for (int r = 0; r < NR; ++r)
-    for (int t = 0; t < MR; ++t) acc[r][t] = _mm256_setzero_ps();
+    for (int t = 0; t < MR; ++t) acc[r][t] = V::zero();
   const int8_t* wr = w + n * K;
   for (int64_t k = 0; k < K; k += kBlock) {
     if ((k & 63) == 0)  // a line ahead (never faults)
       for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(wr + (NR + r) * K + k), _MM_HINT_T0);
 #pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-      __m256 wf[NR];
-      for (int r = 0; r < NR; ++r)
-        wf[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + r * K + k + 8 * i))));
+    for (int i = 0; i < kBlock / V::kLanes; ++i) {
+      typename V::T wf[NR];
+      for (int r = 0; r < NR; ++r) wf[r] = V::weights(wr + r * K + k + V::kLanes * i);
       for (int t = 0; t < MR; ++t) {
-        const __m256 xv = _mm256_loadu_ps(x + t * ldx + k + 8 * i);
-        for (int r = 0; r < NR; ++r) acc[r][t] = _mm256_fmadd_ps(wf[r], xv, acc[r][t]);
+        const typename V::T xv = V::load(x + t * ldx + k + V::kLanes * i);
+        for (int r = 0; r < NR; ++r) acc[r][t] = V::fma(wf[r], xv, acc[r][t]);
       }
     }
   }
   float out[NR * MR];
-  hsums<NR * MR>(&acc[0][0], out);
+  V::template sums<NR * MR>(&acc[0][0], out);
   for (int r = 0; r < NR; ++r)
     for (int t = 0; t < MR; ++t) y[t * ldy + n + r] = out[r * MR + t] * s[n + r];
 }
 
-#ifdef __AVX512F__
-// int8_tile with 16-lane registers (the avx512vnni build): 16 weights converted per instruction, twice the fmas
-// per instruction, and 32 registers: always 4 output rows.
-template <int NR, int MR>
-void int8_tile512(const float* x, int64_t ldx, const int8_t* w, int64_t K, const float* s, float* y, int64_t ldy,
-                  int64_t n) {
-  __m512 acc[NR][MR];
-  for (int r = 0; r < NR; ++r)
-    for (int t = 0; t < MR; ++t) acc[r][t] = _mm512_setzero_ps();
-  const int8_t* wr = w + n * K;
-  for (int64_t k = 0; k < K; k += kBlock) {
-    if ((k & 63) == 0)  // a line ahead (never faults)
-      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(wr + (NR + r) * K + k), _MM_HINT_T0);
-#pragma GCC unroll 2
-    for (int i = 0; i < 2; ++i) {
-      __m512 wf[NR];
-      for (int r = 0; r < NR; ++r)
-        wf[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + r * K + k + 16 * i))));
-      for (int t = 0; t < MR; ++t) {
-        const __m512 xv = _mm512_loadu_ps(x + t * ldx + k + 16 * i);
-        for (int r = 0; r < NR; ++r) acc[r][t] = _mm512_fmadd_ps(wf[r], xv, acc[r][t]);
-      }
-    }
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int t = 0; t < MR; ++t) y[t * ldy + n + r] = _mm512_reduce_add_ps(acc[r][t]) * s[n + r];
-}
-#endif
-
 template <int MR>
 void int8_rows(const float* x, int64_t ldx, const int8_t* w, int64_t K, const float* s, float* y, int64_t ldy,
                int64_t n0, int64_t n1) {
-#ifdef __AVX512F__
+  constexpr int NR = Int8Lanes::nr(MR);
   int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) int8_tile512<4, MR>(x, ldx, w, K, s, y, ldy, n);
-  for (; n < n1; ++n) int8_tile512<1, MR>(x, ldx, w, K, s, y, ldy, n);
-#else
-  constexpr int NR = nr_for(MR);
-  int64_t n = n0;
-  for (; n + NR <= n1; n += NR) int8_tile<NR, MR>(x, ldx, w, K, s, y, ldy, n);
-  for (; n < n1; ++n) int8_tile<1, MR>(x, ldx, w, K, s, y, ldy, n);
-#endif
+  for (; n + NR <= n1; n += NR) int8_tile<Int8Lanes, NR, MR>(x, ldx, w, K, s, y, ldy, n);
+  for (; n < n1; ++n) int8_tile<Int8Lanes, 1, MR>(x, ldx, w, K, s, y, ldy, n);
 }
 
 using Int8RowsFn = decltype(&int8_rows<1>);
@@ -389,6 +388,18 @@ void firstlight::quantize_row_q8(const float* x, int64_t K, int64_t G, int8_t* q
     dx[b] = amax / 127.f;
     xs[b / bpg] += dx[b] * static_cast<float>(isum);
   }
+}
+
+firstlight::RowsQ8 firstlight::quantize_rows_q8(const at::Tensor& xf, int64_t G) {
+  const int64_t M = xf.size(0), K = xf.size(1), nblocks = K / kBlock, lds = nblocks + K / G;
+  RowsQ8 out{at::empty({M, K}, xf.options().dtype(at::kChar)), at::empty({M, lds}, xf.options())};
+  const float* xp = xf.data_ptr<float>();
+  int8_t* qp = out.qx.data_ptr<int8_t>();
+  float* sp = out.sc.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) quantize_row_q8(xp + r * K, K, G, qp + r * K, sp + r * lds, sp + r * lds + nblocks);
+  });
+  return out;
 }
 
 namespace {
@@ -766,13 +777,9 @@ at::Tensor int4_mm_a8(const at::Tensor& x, const at::Tensor& packed, const at::T
   const int64_t M = xf.size(0);
   at::Tensor y = at::empty({M, N}, xf.options());
   if (M == 0) return y;
-  at::Tensor qx = at::empty({M, K}, xf.options().dtype(at::kChar));
-  at::Tensor sc = at::empty({M, nblocks + ngroups}, xf.options());  // dx per block, then xs per group
-  const float* xp = xf.data_ptr<float>();
-  int8_t* qp = qx.data_ptr<int8_t>();
-  float* sp = sc.data_ptr<float>();
-  for (int64_t r = 0; r < M; ++r)
-    firstlight::quantize_row_q8(xp + r * K, K, G, qp + r * K, sp + r * (nblocks + ngroups), sp + r * (nblocks + ngroups) + nblocks);
+  const auto [qx, sc] = firstlight::quantize_rows_q8(xf, G);  // dx per block, then xs per group
+  const int8_t* qp = qx.data_ptr<int8_t>();
+  const float* sp = sc.data_ptr<float>();
   if (M > max_tiled_m) {  // prefill: the same numerics, W~ x^, through the fp32 path on x^ = dx * qx
     const at::Tensor xh = (qx.to(at::kFloat).view({M, nblocks, kBlock}) *
                            sc.narrow(1, 0, nblocks).unsqueeze(2)).view({M, K});
@@ -806,14 +813,9 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   const int64_t M = xf.size(0);
   at::Tensor y = at::empty({M, N}, xf.options());
   if (M == 0) return y;
-  at::Tensor qx, sc;
-  if (act_int8) {
-    qx = at::empty({M, K}, xf.options().dtype(at::kChar));
-    sc = at::empty({M, nblocks + 1}, xf.options());  // dx per block, then the (unused) sum
-    for (int64_t r = 0; r < M; ++r)
-      firstlight::quantize_row_q8(xf.data_ptr<float>() + r * K, K, K, qx.data_ptr<int8_t>() + r * K,
-                      sc.data_ptr<float>() + r * (nblocks + 1), sc.data_ptr<float>() + r * (nblocks + 1) + nblocks);
-  }
+  // int8 activations: dx per block, then the (unused) sum
+  const firstlight::RowsQ8 q8 = act_int8 ? firstlight::quantize_rows_q8(xf, K) : firstlight::RowsQ8{};
+  const at::Tensor &qx = q8.qx, &sc = q8.sc;
   if (M > max_tiled_m) {  // prefill: dequantize a slab of rows at a time (exact: int8 * fp32 scale), at::mm
     if (act_int8)
       xf = (qx.to(at::kFloat).view({M, nblocks, kBlock}) * sc.narrow(1, 0, nblocks).unsqueeze(2)).view({M, K});

@@ -224,17 +224,12 @@ at::Tensor int4_mm_vnni(const at::Tensor& x, const at::Tensor& packed, const at:
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "firstlight::int4_mm_a8 x must be [M, ", K, "], got ", x.sizes());
 #if defined(FIRSTLIGHT_VNNI) || defined(FIRSTLIGHT_VNNI_AVX2)
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const int64_t M = xf.size(0), ngroups = K / G, nblocks = K / kBlock, lds = nblocks + ngroups;
+  const int64_t M = xf.size(0), lds = K / kBlock + K / G;
   at::Tensor y = at::empty({M, N}, xf.options());
   if (M == 0) return y;
-  at::Tensor qx = at::empty({M, K}, xf.options().dtype(at::kChar));
-  at::Tensor sc = at::empty({M, lds}, xf.options());  // dx per block, then xs per group
-  const float* xp = xf.data_ptr<float>();
-  int8_t* qp = qx.data_ptr<int8_t>();
-  float* sp = sc.data_ptr<float>();
-  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) firstlight::quantize_row_q8(xp + r * K, K, G, qp + r * K, sp + r * lds, sp + r * lds + nblocks);
-  });
+  const auto [qx, sc] = firstlight::quantize_rows_q8(xf, G);  // dx per block, then xs per group
+  const int8_t* qp = qx.data_ptr<int8_t>();
+  const float* sp = sc.data_ptr<float>();
   const uint8_t* wv = packed.data_ptr<uint8_t>();
   const float *dp = d.data_ptr<float>(), *mp = m.data_ptr<float>();
   float* yp = y.data_ptr<float>();

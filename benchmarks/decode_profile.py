@@ -30,7 +30,7 @@ CLASSES = (  # first match wins; names are aten / quantized op names as the prof
     ("matmul: int4 packed", ("_weight_int4pack_mm", "firstlight::int4_mm")),  # and int4_mm_a8
     ("matmul: int8 packed", ("_weight_int8pack_mm", "firstlight::int8_mm")),
     ("matmul: fbgemm int8", ("quantized::linear",)),
-    ("matmul: fp32/bf16", ("firstlight::f32_mm", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")),
+    ("matmul: fp32/bf16", ("firstlight::f32_mm", "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")),
     ("attention (SDPA)", ("scaled_dot_product", "_flash_attention", "_efficient_attention")),
     ("KV gather/scatter", ("index_select", "index_copy", "aten::gather", "aten::index")),
     ("compiled graph (inductor kernels)", ("CompiledFxGraph", "CompiledFunction", "Torch-Compiled Region",
@@ -96,9 +96,11 @@ def run(args: argparse.Namespace) -> dict:
     from firstlight.models import hub
     from firstlight.models.loader import load_model
     from firstlight.quant import apply_quantization
+    from firstlight.quant.f32 import use_f32_kernel
 
     model, tok = load_model(hub.resolve(args.model))
     report = apply_quantization(model, args.quantization)
+    use_f32_kernel(model)  # as the server loads it (engine/llm.py): fp32 linears left run on firstlight::f32_mm
     total = 8 + (args.rounds + 1) * args.steps + 8
     modes = {m: make_engine(model, tok, args, m, total) for m in args.modes}
     walls: dict[str, list[float]] = {m: [] for m in modes}

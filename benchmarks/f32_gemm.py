@@ -1,15 +1,17 @@
-"""fp32 linears at decode-sized batches: firstlight::f32_mm (kernels/csrc/f32_gemm.cpp) vs torch's
-F.linear (the BLAS torch ships: MKL here) over one decode step's weights of SmolLM2-135M (30 layers x
+"""fp32 linears: firstlight::f32_mm (kernels/csrc/f32_gemm.cpp) vs torch's F.linear (the BLAS torch ships:
+MKL here) vs oneDNN's matmul on weights reordered once (torch.ops.mkldnn._linear_pointwise, what F32Linear
+runs above `onednn_min_rows()`, quant/f32.py) over one decode step's weights of SmolLM2-135M (30 layers x
 qkv/o/gate_up/down, then the tied 49152 x 576 head), cold: each weight is used once per pass, as in a
 decode step, so it streams from memory.
 
     PYTHONPATH=. .venv/bin/python benchmarks/f32_gemm.py --threads 2
     PYTHONPATH=. .venv/bin/python benchmarks/f32_gemm.py --threads 1 --ms 1,2,4,8,16,32,64
 
-Per M: the median over --repeats rounds of one pass each (ours and torch's alternate inside a round, so
-load from other processes hits both). Bound of a pass: max(weight bytes / read bandwidth, FLOPs / GEMM
-rate), both measured in this run: the read bandwidth is a sum over a 256 MiB tensor, the GEMM rate torch.mm
-at [1024, 1024] x [1024, 1024] (hot, near the FMA peak).
+Per M: the median over --repeats rounds of one pass each (the three alternate inside a round, so load from
+other processes hits all). Bound of a pass: max(weight bytes / read bandwidth, FLOPs / GEMM rate), both
+measured in this run: the read bandwidth is a sum over a 256 MiB tensor, the GEMM rate the better of torch.mm
+and oneDNN at [1024, 1024] x [1024, 1024] (hot, near the FMA peak of the ISA each uses: MKL runs AVX2 code
+on AMD CPUs, oneDNN the CPU's widest).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def read_bandwidth_gbs(num_bytes: int = 256 << 20) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--ms", default="1,2,4,8,16,32,64")
+    ap.add_argument("--ms", default="1,2,4,8,16,32,64,128,512")
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -45,26 +47,40 @@ def main() -> None:
     torch.manual_seed(0)
     weights = [torch.randn(n, k) * 0.02 for _ in range(LAYERS) for n, k in SHAPES] + [torch.randn(*HEAD) * 0.02]
     wbytes = sum(w.numel() * 4 for w in weights)
-    bw, peak = read_bandwidth_gbs(), gemm_gflops(1024, 1024, 1024)
+    onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    reordered = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights] if onednn else []
+
+    def onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+    square = torch.randn(1024, 1024)
+    square_r = torch.ops.mkldnn._reorder_linear_weight(square, None) if onednn else None
+    dnn_peak = 2 * 1024 ** 3 / median_time(lambda: onednn_linear(square, square_r), 5) / 1e9 if onednn else 0.0
+    bw, peak = read_bandwidth_gbs(), max(gemm_gflops(1024, 1024, 1024), dnn_peak)
     print(f"{args.threads} thread(s); one pass = {len(weights)} linears, {wbytes / 1e6:.0f} MB fp32 weights; "
           f"read bandwidth {bw:.1f} GB/s, GEMM {peak:.0f} GFLOP/s; load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
-    print(f"{'M':>4} | {'torch F.linear ms':>17} | {'ours ms':>8} | {'bound ms':>8} | speedup | ours GFLOP/s | ours GB/s")
+    print(f"{'M':>4} | {'torch F.linear ms':>17} | {'ours ms':>8} | {'oneDNN ms':>9} | {'bound ms':>8} | ours vs torch | "
+          "oneDNN vs torch | best GFLOP/s | best GB/s")
     for m in (int(s) for s in args.ms.split(",")):
         xs = [torch.randn(m, w.shape[1]) for w in weights]
         flops = sum(2 * m * w.numel() for w in weights)
-        t_ref, t_ours = [], []
+        times: dict[str, list[float]] = {"torch": [], "ours": [], "onednn": []}
+        fns = {"torch": (lambda x, w: torch.nn.functional.linear(x, w), weights), "ours": (kernels.f32_mm, weights)}
+        if onednn:
+            fns["onednn"] = (onednn_linear, reordered)
         for _ in range(args.repeats):
-            for fn, out in ((lambda x, w: torch.nn.functional.linear(x, w), t_ref), (kernels.f32_mm, t_ours)):
+            for name, (fn, ws) in fns.items():
                 t0 = time.perf_counter()
-                for x, w in zip(xs, weights, strict=True):
+                for x, w in zip(xs, ws, strict=True):
                     fn(x, w)
-                out.append(time.perf_counter() - t0)
-        ref, ours = statistics.median(t_ref), statistics.median(t_ours)
+                times[name].append(time.perf_counter() - t0)
+        ref, ours = statistics.median(times["torch"]), statistics.median(times["ours"])
+        dnn = statistics.median(times["onednn"]) if onednn else float("nan")
+        best = min(ours, dnn) if onednn else ours
         bound = max(wbytes / bw / 1e9, flops / peak / 1e9)
-        print(f"{m:>4} | {1e3 * ref:>17.1f} | {1e3 * ours:>8.1f} | {1e3 * bound:>8.1f} | {ref / ours:>6.2f}x | "
-              f"{flops / ours / 1e9:>11.1f} | {wbytes / ours / 1e9:>9.1f}")
-
+        print(f"{m:>4} | {1e3 * ref:>17.1f} | {1e3 * ours:>8.1f} | {1e3 * dnn:>9.1f} | {1e3 * bound:>8.1f} | "
+              f"{ref / ours:>12.2f}x | {ref / dnn:>14.2f}x | {flops / best / 1e9:>12.1f} | {wbytes / best / 1e9:>9.1f}")
 
 if __name__ == "__main__":
     main()

@@ -28,7 +28,8 @@ O_BURST = typer.Option(1.0, help="gamma arrivals: shape (<1 burstier, 1 = Poisso
 O_MAXC = typer.Option(None, help="Cap on in-flight requests in rate/trace mode.")
 O_RAMP = typer.Option(0.0, "--ramp-up", help="Seconds to ramp the rate (or start workers) linearly from zero.")
 O_NUM = typer.Option(100, help="Measured requests (warm-up comes on top).")
-O_WARM = typer.Option(0, help="Warm-up requests, excluded from results.")
+O_WARM = typer.Option(0, help="Warm-up requests, excluded from results. A closed loop (--concurrency) runs them "
+                      "first, at the same concurrency, and starts the measured requests when the last one ends.")
 O_WARMS = typer.Option(0.0, "--warmup-s", help="Requests scheduled in the first S seconds are warm-up.")
 O_DUR = typer.Option(None, "--duration", help="Stop issuing requests after this many seconds.")
 O_RESET = typer.Option(False, "--reset-prefix-cache", help="POST /reset_prefix_cache before the run.")

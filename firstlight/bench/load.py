@@ -169,6 +169,7 @@ class Runner:
         self.endpoint, self.model, self.path = endpoint, model, endpoint_path(endpoint)
         self.body_kw = {"ignore_eos": ignore_eos, "continuous_usage": continuous_usage, "extra": extra_body}
         self.total = load.warmup_requests + load.num_requests if load.num_requests > 0 else 10**12
+        self.limit = self.total  # requests this phase may issue (a closed loop's warm-up phase: the warm-up ones)
         self.issued = 0
         self.next_session = 0
         self.records: list[RequestRecord] = []
@@ -187,7 +188,7 @@ class Runner:
             t.cancel()
 
     def _claim(self, t_sched: float) -> RequestRecord | None:
-        if self.issued >= self.total or (self.deadline is not None and time.perf_counter() >= self.deadline):
+        if self.issued >= self.limit or (self.deadline is not None and time.perf_counter() >= self.deadline):
             return None
         i = self.issued
         self.issued += 1
@@ -254,7 +255,7 @@ class Runner:
         self.t_start = time.perf_counter()
         self.deadline = self.t_start + self.load.duration_s if self.load.duration_s else None
         if self.load.mode == "concurrency":
-            tasks = [asyncio.ensure_future(self._worker(w)) for w in range(self.load.concurrency)]
+            tasks = [asyncio.ensure_future(self._closed_loop())]
         else:
             tasks = [asyncio.ensure_future(self._open_loop())]
         self._tasks = tasks
@@ -279,10 +280,21 @@ class Runner:
         return RunOutput(self.records, self.t_start, t_stop, incomplete, interrupted_by=self.interrupted_by,
                          ignore_eos_refused=self.ignore_eos_refused, notes=notes)
 
+    async def _closed_loop(self) -> None:
+        """Warm-up requests first, as a phase of their own at the same concurrency; the measured requests start
+        once the last warm-up one has ended. (Mixed in, warm-up requests hold slots of the loop: at c = 32 with one
+        warm-up request, the 32nd measured request waited for a whole batch to finish and then ran alone.)"""
+        warm = min(self.load.warmup_requests, self.total)
+        if warm:
+            self.limit = warm
+            await asyncio.gather(*(self._worker(w) for w in range(min(warm, self.load.concurrency))))
+        self.limit = self.total
+        await asyncio.gather(*(self._worker(w) for w in range(self.load.concurrency)))
+
     async def _worker(self, w: int) -> None:
         if self.load.ramp_up_s > 0:
             await asyncio.sleep(w * self.load.ramp_up_s / self.load.concurrency)
-        while self.issued < self.total and (self.deadline is None or time.perf_counter() < self.deadline):
+        while self.issued < self.limit and (self.deadline is None or time.perf_counter() < self.deadline):
             await self._run_session(self._session(), time.perf_counter())
 
     def _offsets(self) -> Iterator[float]:

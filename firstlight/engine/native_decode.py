@@ -25,14 +25,13 @@ from firstlight import kernels
 from firstlight.models.dense import DecoderLayer, DenseDecoder
 from firstlight.models.gemma3 import Gemma3, Gemma3Layer
 from firstlight.models.layers import Attention, CausalLM, GatedMLP, GemmaRMSNorm, RMSNorm
-from firstlight.quant.f32 import F32Linear
+from firstlight.quant.f32 import F32Linear, FusedGatedMLP, onednn_min_rows
 from firstlight.quant.int4 import Int4WeightOnlyLinear
 from firstlight.quant.int8 import Int8WeightOnlyLinear
 
 if TYPE_CHECKING:
     from firstlight.engine.runner import PagedKVCache
 
-ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}  # dense_decode.cpp Act
 F32, INT4, INT4_A8, INT8, INT8_A8 = range(5)  # dense_decode.cpp Kind
 _NONE = torch.empty(0)
 
@@ -45,7 +44,8 @@ def _linear(module: nn.Module) -> tuple[int, int, list[torch.Tensor]] | str:
         w = module.weight
         if w.dtype != torch.float32 or not w.is_contiguous():
             return f"{type(module).__name__} weight is {w.dtype}, not contiguous fp32"
-        return F32, 0, [w.detach(), _NONE, _NONE, bias]
+        reordered = module._reordered() if type(module) is F32Linear and onednn_min_rows() is not None else None
+        return F32, 0, [w.detach(), _NONE if reordered is None else reordered, _NONE, bias]
     if type(module) is Int4WeightOnlyLinear and module.ours:
         kind = INT4_A8 if module.activations == "int8" else INT4
         return kind, module.group_size, [module.packed, module.scales, module.mins, bias]
@@ -95,7 +95,7 @@ class NativeDecode:
         if type(model) not in (DenseDecoder, Gemma3):
             return None, f"{type(model).__name__} is not models/dense.py's or gemma3.py's decoder"
         cfg = model.config
-        if cfg.hidden_act not in ACTS:
+        if cfg.hidden_act not in kernels.GATED_ACTS:
             return None, f"activation {cfg.hidden_act}"
         if any(p.device.type != "cpu" for p in k_pools + v_pools) or any(p.dtype != torch.float32 for p in k_pools):
             return None, "the KV pools are not fp32 on CPU"
@@ -106,12 +106,12 @@ class NativeDecode:
             return None, final
         tensors.append(final)
         ints = [cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-                ACTS[cfg.hidden_act], kernels.F32_MAX_TILED_M, kernels.MAX_TILED_M,
-                kernels.A8_MAX_TILED_M, kernels.INT8_MAX_TILED_M]
+                kernels.GATED_ACTS[cfg.hidden_act], kernels.F32_MAX_TILED_M, kernels.MAX_TILED_M,
+                kernels.A8_MAX_TILED_M, kernels.INT8_MAX_TILED_M, onednn_min_rows() or 0]
         scales = set()
         for i, layer in enumerate(model.layers):
             attn, mlp, norms = getattr(layer, "self_attn", None), getattr(layer, "mlp", None), _layer_norms(layer)
-            if norms is None or type(attn) is not Attention or type(mlp) is not GatedMLP:
+            if norms is None or type(attn) is not Attention or type(mlp) not in (GatedMLP, FusedGatedMLP):
                 return None, f"layer {i} is a {type(layer).__name__}"
             if attn.output_gate or mlp.intermediate != cfg.intermediate_size:
                 return None, f"layer {i}: gated attention output or its own MLP width"

@@ -137,6 +137,10 @@ def _register_fakes() -> None:
     def _(x, w, bias, max_tiled_m):  # noqa: ANN001, ANN202
         return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
 
+    @torch.library.register_fake("firstlight::gated_act")
+    def _(gate_up, act):  # noqa: ANN001, ANN202
+        return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
     @torch.library.register_fake("firstlight::paged_decode_attention")
     def _(q, k_pool, v_pool, slots, mask, scale):  # noqa: ANN001, ANN202
         return q.new_empty(q.shape)
@@ -235,6 +239,14 @@ def int8_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, act_in
 def f32_mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T + bias in fp32 (nn.Linear's layout): our tiles up to F32_MAX_TILED_M rows, at::mm above."""
     return torch.ops.firstlight.f32_mm(x, w, bias, F32_MAX_TILED_M)
+
+
+GATED_ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}  # dense_decode.cpp Act
+
+
+def gated_act(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up of gate_up [..., 2I] (gate first) -> [..., I] fp32, in one pass; act in GATED_ACTS."""
+    return torch.ops.firstlight.gated_act(gate_up, GATED_ACTS[act])
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,

@@ -1,37 +1,96 @@
 """fp32 linears on CPU through firstlight's own small-batch matmul (`firstlight::f32_mm`,
-kernels/csrc/f32_gemm.cpp) for decode-sized batches, the BLAS above.
+kernels/csrc/f32_gemm.cpp) for decode-sized batches, and oneDNN's matmul (torch's mkldnn) on a weight
+reordered once into its blocked layout above them.
 
 Not a quantization: the weights stay the model's own fp32 tensors (shared, so a tied LM head stays tied and
 state_dict keys do not change); only the matmul that multiplies them changes, and only its summation order.
 Why: at 2..32 activation rows the BLAS packs every weight on every call (docs/PERFORMANCE.md, "fp32 at
-decode-sized batches").
+decode-sized batches"); above, torch's BLAS (MKL) runs its AVX2 code on AMD CPUs, while oneDNN picks the
+CPU's widest ISA: on an AVX-512 EPYC its matmul on a pre-reordered weight ran 2.2-2.9x MKL from 16 rows up
+(benchmarks/f32_gemm.py). The reordered copy is made at the first call that needs it (a prompt's prefill),
+costs the weight's size again, and is remade if the weight changes in place.
 The serving engine's loader applies it (engine/llm.py `load`); FIRSTLIGHT_CPU_KERNELS=aten turns it off with
 the other kernels of the extension.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from firstlight import kernels
+from firstlight.models.layers import ACTIVATIONS, GatedMLP
+
+
+def onednn_min_rows() -> int | None:
+    """Above this many activation rows an fp32 linear runs on oneDNN's matmul; None where torch has no oneDNN.
+
+    Where the CPU has AVX-512, oneDNN runs it and MKL does not: from 16 rows up it beat our 8-lane tiles
+    (1.6x at 16, 1.4x at 32 on cold weights), at 8 the two tie; with AVX2 only, our tiles win up to their limit.
+    """
+    if "onednn" not in _state:
+        ok = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        _state["onednn"] = None if not ok else (
+            8 if torch.backends.cpu.get_cpu_capability() == "AVX512" else kernels.F32_MAX_TILED_M)
+    return _state["onednn"]
+
+
+_state: dict[str, int | None] = {}
 
 
 class F32Linear(nn.Linear):
-    """nn.Linear whose fp32 CPU products go through firstlight::f32_mm (the BLAS above its row limit); with
-    autograd recording (a tensor that requires grad), torch's F.linear."""
+    """nn.Linear whose fp32 CPU products go through firstlight::f32_mm, and oneDNN above onednn_min_rows()
+    (the BLAS where oneDNN is missing or fails); with autograd recording (a tensor that requires grad), or
+    inside torch.compile, torch's F.linear / our op."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu" or (
                 torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return F.linear(x, self.weight, self.bias)  # the op has no backward: autograd keeps torch's
-        y = kernels.f32_mm(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
+        x2 = x.reshape(-1, x.shape[-1])
+        min_rows = None if torch.compiler.is_compiling() else onednn_min_rows()
+        packed = self._reordered() if min_rows is not None and x2.shape[0] > min_rows else None
+        if packed is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x2, packed, self.bias, "none", [], "")
+        else:
+            y = kernels.f32_mm(x2, self.weight, self.bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def _reordered(self) -> torch.Tensor | None:
+        """oneDNN's copy of the weight, made now if missing or stale (the weight changed in place since)."""
+        w = self.weight
+        key = (w.data_ptr(), w._version)
+        got = self.__dict__.get("_onednn_weight")  # not a buffer: state_dict and .to() never see it
+        if got is None or got[0] != key:
+            try:
+                got = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
+            except RuntimeError as e:  # a torch whose oneDNN cannot take it: the BLAS, from now on
+                warnings.warn(f"oneDNN fp32 matmul unavailable ({e}); fp32 linears above "
+                              f"{kernels.F32_MAX_TILED_M} rows use the BLAS", stacklevel=2)
+                _state["onednn"] = None
+                return None
+            self.__dict__["_onednn_weight"] = got
+        return got[1]
+
+
+class FusedGatedMLP(GatedMLP):
+    """GatedMLP whose act(gate) * up is firstlight::gated_act: one pass over the fused projection's output and one
+    new tensor (torch: an activation pass, a multiply pass and an intermediate; at a 2,048-token prefill chunk of
+    SmolLM2 that was 10 ms per layer, a fifth of the layer)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.gate_up_proj(x)
+        if h.dtype != torch.float32 or h.device.type != "cpu" or (torch.is_grad_enabled() and h.requires_grad):
+            return super().forward(x)
+        return self.down_proj(kernels.gated_act(h, self.act_name))
 
 
 def use_f32_kernel(model: nn.Module) -> int:
-    """Route every plain fp32 nn.Linear of a CPU model through firstlight::f32_mm; returns how many.
+    """Route every plain fp32 nn.Linear of a CPU model through firstlight::f32_mm (and oneDNN, F32Linear), and
+    every fp32 GatedMLP with a silu or tanh-GELU gate through firstlight::gated_act; returns how many linears.
 
     Nothing changes (0) when the extension is not in use (FIRSTLIGHT_CPU_KERNELS=aten, or a failed build in
     mode auto, which warns once).
@@ -44,4 +103,9 @@ def use_f32_kernel(model: nn.Module) -> int:
                 and module.weight.device.type == "cpu" and module.weight.is_contiguous()):
             module.__class__ = F32Linear  # same parameters, same state_dict: only forward changes
             swapped += 1
+    for module in model.modules():
+        act = next((a for a in kernels.GATED_ACTS if module.__dict__.get("act") is ACTIVATIONS[a]), None)
+        if type(module) is GatedMLP and act is not None and module.gate_up_proj.weight.dtype == torch.float32:
+            module.__class__ = FusedGatedMLP
+            module.act_name = act
     return swapped

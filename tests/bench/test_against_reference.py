@@ -97,6 +97,18 @@ def test_warmup_excluded_and_reset_prefix_cache(ref_url, cfg):
     assert res.summary["num_warmup"] == 5 and res.summary["num_requests"] == 10
 
 
+def test_closed_loop_warms_up_before_measuring(ref_url, cfg):
+    """Warm-up is a phase of its own: no measured request runs beside a warm-up one (at c = 4 with one warm-up
+    request mixed in, the 4th measured request would start only when a measured one ends)."""
+    res = run_benchmark(cfg(ref_url, n=4, c=4, warmup_requests=1))
+    warm = [r for r in res.output.records if r.warmup]
+    measured = [r for r in res.output.records if not r.warmup]
+    assert len(warm) == 1 and len(measured) == 4 and all(r.ok for r in res.output.records)
+    assert min(r.t_send for r in measured) >= warm[0].t_end
+    # all four measured requests ran at once: each was sent before any of them ended
+    assert max(r.t_send for r in measured) < min(r.t_end for r in measured)
+
+
 def test_duration_bounds_the_run(ref_url, cfg):
     res = run_benchmark(cfg(ref_url, n=100000, mode="rate", rate=50.0, duration_s=0.5, warmup_requests=0))
     assert 10 <= len(res.output.records) <= 45

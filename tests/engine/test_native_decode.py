@@ -14,6 +14,7 @@ from firstlight.engine.native_decode import NativeDecode
 from firstlight.engine.request import SamplingParams
 from firstlight.models.loader import load_model
 from firstlight.models.tiny import write_tiny_checkpoint
+from firstlight.quant.f32 import use_f32_kernel
 from firstlight.quant.model import quantize_model
 
 from ..quant.test_int4_kernel import kernel_isa  # noqa: F401 - fixture
@@ -27,12 +28,13 @@ def _engine(model, tok, native: bool, **config) -> LLMEngine:  # noqa: ANN001
     return LLMEngine(model, tok, cfg)
 
 
-def _same_with_and_without(model, tok, rounded_activations: bool = False, **config) -> None:  # noqa: ANN001
+def _same_with_and_without(model, tok, rounded_activations: bool = False, num_prompts: int = 6,  # noqa: ANN001
+                           **config) -> None:
     """rounded_activations (w4a8): each matmul rounds its input to int8, so a last-bit difference between the native
     glue and torch's (norms, rope) moves a value across a rounding boundary now and then (~1 in 40,000 values
     here), and a tiny random model's near-flat logits can then pick another token; there the check is that the
     paths agree up to such flips: the first tokens all equal, >= 80% of all tokens, logprobs within 0.05."""
-    ps = prompts(6, seed=3)
+    ps = prompts(num_prompts, seed=3)
     outs = {}
     for native in (True, False):
         engine = _engine(model, tok, native, **config)
@@ -61,6 +63,14 @@ def test_families_same_tokens_and_logprobs(kernel_isa, family, tmp_path):  # noq
     overrides = {"sliding_window": 12} if family == "mistral" else {}
     model, tok = load_model(write_tiny_checkpoint(tmp_path / family, family=family, seed=1, **overrides))
     _same_with_and_without(model, tok)
+
+
+def test_fp32_rows_on_onednn_same_tokens_and_logprobs(kernel_isa, tmp_path):  # noqa: F811
+    """As the server loads fp32 (F32Linear): 12 decode rows, above oneDNN's row limit where it is in use, so the
+    native step's linears call oneDNN's matmul on the reordered weights as the eager ones do."""
+    model, tok = load_model(write_tiny_checkpoint(tmp_path / "m", family="llama", seed=4))
+    use_f32_kernel(model)
+    _same_with_and_without(model, tok, num_prompts=12)
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8", "w4a8"])

@@ -27,7 +27,8 @@ def _reference(q, k_pool, v_pool, slots, mask, scale):  # noqa: ANN001, ANN202
     return out.float()
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (8, 1, 72), (16, 2, 20), (6, 3, 128)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (8, 1, 72), (16, 2, 20), (6, 3, 128),
+                                                     (12, 2, 48), (5, 1, 16), (3, 3, 8)])
 @pytest.mark.parametrize("masked", [False, True])
 def test_equals_gather_and_sdpa(kernel_isa, heads, kv_heads, head_dim, masked):  # noqa: F811
     torch.manual_seed(heads * 100 + head_dim)

@@ -1,6 +1,7 @@
 """firstlight::f32_mm (kernels/csrc/f32_gemm.cpp): x @ w^T + bias in fp32 for every row count (tiles of 1-3
 rows x 4 output rows, the tails of N and K, the BLAS above the row limit), F32Linear as a drop-in nn.Linear
-(same parameters, tied head stays tied), off with the aten switch (one node under torch.compile: in
+(same parameters, tied head stays tied), oneDNN's matmul on a reordered weight above its row limit (remade
+when the weight changes in place), firstlight::gated_act for GatedMLP's act(gate) * up, off with the aten switch (one node under torch.compile: in
 test_int4_kernel.py with the other ops)."""
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ import torch
 from torch import nn
 
 from firstlight import kernels
+from firstlight.models.layers import ACTIVATIONS, GatedMLP
 from firstlight.models.loader import load_model
-from firstlight.quant.f32 import F32Linear, use_f32_kernel
+from firstlight.models.tiny import write_tiny_checkpoint
+from firstlight.quant.f32 import F32Linear, FusedGatedMLP, onednn_min_rows, use_f32_kernel
 
 from .test_int4_kernel import kernel_isa, mode  # noqa: F401 - fixtures
 
@@ -76,3 +79,64 @@ def test_autograd_keeps_torchs_linear(kernel_isa, mode):  # noqa: F811
     x = torch.randn(3, 16, requires_grad=True)
     lin(x).sum().backward()  # f32_mm has no backward: F.linear takes it
     assert x.grad is not None and lin.weight.grad is not None
+
+
+@pytest.mark.parametrize("extra_rows", [1, 31, 200])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_rows_above_the_limit_run_on_onednn(kernel_isa, mode, extra_rows, with_bias):  # noqa: F811
+    mode("auto")
+    if onednn_min_rows() is None:
+        pytest.skip("this torch has no oneDNN")
+    torch.manual_seed(extra_rows)
+    lin = nn.Linear(96, 40, bias=with_bias).requires_grad_(False)
+    use_f32_kernel(lin)
+    x = torch.randn(onednn_min_rows() + extra_rows, 96)
+    ref = x.double() @ lin.weight.double().t() + (lin.bias.double() if with_bias else 0)
+    got = lin(x)
+    assert "_onednn_weight" in lin.__dict__ and "_onednn_weight" not in lin.state_dict()
+    bound = 1e-5 * (x.double().abs() @ lin.weight.double().abs().t()).max().item() + 1e-6
+    assert (got.double() - ref).abs().max().item() < bound
+    small = x[: onednn_min_rows()]  # at the limit: our tiles, the same products
+    assert torch.allclose(lin(small), got[: onednn_min_rows()], atol=1e-5)
+
+
+def test_onednn_weight_follows_in_place_changes(kernel_isa, mode):  # noqa: F811
+    mode("auto")
+    if onednn_min_rows() is None:
+        pytest.skip("this torch has no oneDNN")
+    lin = nn.Linear(64, 32, bias=False)
+    use_f32_kernel(lin)
+    x = torch.randn(onednn_min_rows() + 8, 64)
+    with torch.no_grad():
+        first = lin(x)
+        lin.weight.mul_(2)  # what load_state_dict's copy_ does too: the weight's version moves
+        assert torch.allclose(lin(x), 2 * first, atol=1e-5)
+        lin.load_state_dict({"weight": torch.zeros(32, 64)})
+        assert lin(x).abs().max() == 0
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("shape", [(1, 2 * 8), (5, 2 * 13), (2, 3, 2 * 64), (300, 2 * 40)])
+def test_gated_act_equals_torch(kernel_isa, act, shape):  # noqa: F811
+    torch.manual_seed(len(shape) + shape[-1])
+    gu = 4 * torch.randn(*shape)
+    gate, up = gu.split(shape[-1] // 2, dim=-1)
+    ref = ACTIVATIONS[act](gate.double()) * up.double()
+    got = kernels.gated_act(gu, act)
+    assert got.shape == ref.shape
+    assert torch.allclose(got.double(), ref, atol=2e-6, rtol=2e-6), (got.double() - ref).abs().max()
+    assert torch.equal(kernels.gated_act(gu.mT.contiguous().mT, act), got)  # any layout in
+    with pytest.raises(RuntimeError, match="fp32"):
+        torch.ops.firstlight.gated_act(gu[..., :-1], 0)  # an odd width
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_gated_mlps_take_the_fused_activation(kernel_isa, mode, tmp_path, family):  # noqa: F811
+    mode("auto")
+    model, _ = load_model(write_tiny_checkpoint(tmp_path / family, family=family, seed=0))
+    ids = torch.randint(0, model.config.vocab_size, (2, 40))
+    ref = model(ids)
+    use_f32_kernel(model)
+    mlps = [m for m in model.modules() if isinstance(m, GatedMLP)]
+    assert mlps and all(type(m) is FusedGatedMLP for m in mlps)
+    assert torch.allclose(model(ids), ref, atol=1e-4, rtol=1e-4)

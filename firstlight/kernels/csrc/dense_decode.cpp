@@ -15,6 +15,7 @@
 // The weights are registered once (dense_decode_plan -> a handle, with the runner's pools) and each step
 // passes only what changes: the embedded rows, positions, rope tables and the slots of each KV cache group.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "firstlight_kernels.h"
@@ -33,7 +34,7 @@ enum Act : int64_t { kSilu = 0, kGeluTanh = 1 };
 
 struct Linear {
   int64_t kind = kF32, group = 0;
-  at::Tensor a, b, c, bias;  // f32: w; int4: packed, scales, mins; int8: qweight, scales
+  at::Tensor a, b, c, bias;  // f32: w, oneDNN's reordered w (or none); int4: packed, scales, mins; int8: qweight, scales
 };
 
 struct Layer {
@@ -47,6 +48,7 @@ struct Layer {
 struct Plan {
   int64_t E = 0, H = 0, Hkv = 0, D = 0, I = 0, act = kSilu;
   int64_t tiled_f32 = 0, tiled_int4 = 0, tiled_a8 = 0, tiled_int8 = 0;
+  int64_t onednn_f32 = 0;  // fp32 linears with a reordered weight run on oneDNN above this many rows (0: never)
   float eps = 1e-6f, scale = 1.f;
   at::Tensor final_norm;
   std::vector<Layer> layers;
@@ -59,10 +61,21 @@ int64_t next_plan = 1;
 
 at::Tensor opt(const at::Tensor& t) { return t.numel() ? t : at::Tensor(); }  // empty = absent
 
+// torch's mkldnn::_linear_pointwise (the op F32Linear calls, quant/f32.py) on oneDNN's reordered weight
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{x, w, bias.defined() ? c10::IValue(bias) : c10::IValue(), c10::IValue("none"),
+                                 c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue()};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 at::Tensor run_linear(const Plan& p, const Linear& l, const at::Tensor& x) {
   at::Tensor y;
   switch (l.kind) {
-    case kF32: return f32_mm(x, l.a, l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt, p.tiled_f32);
+    case kF32:
+      if (l.b.defined() && p.onednn_f32 > 0 && x.size(0) > p.onednn_f32) return onednn_linear(x, l.b, l.bias);
+      return f32_mm(x, l.a, l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt, p.tiled_f32);
     case kInt4: y = int4_mm(x, l.a, l.b, l.c, l.group, p.tiled_int4); break;
     case kInt4A8: y = int4_mm_a8(x, l.a, l.b, l.c, l.group, p.tiled_a8); break;
     case kInt8: y = int8_mm(x, l.a, l.b, false, p.tiled_int8); break;
@@ -105,23 +118,22 @@ void rope(float* x, const float* cos, const float* sin, int64_t rot) {
 
 // y[i] = act(g[i]) * u[i]
 void gated_act(const float* g, const float* u, int64_t n, int64_t act, float* y) {
+  // silu(v) = v sigmoid(v); tanh-GELU(v) = v sigmoid(2 sqrt(2/pi) (v + 0.044715 v^3)) (0.5 (1 + tanh z) = sigmoid(2z))
+  constexpr float kAlpha2 = 2 * 0.7978845608028654f;  // 2 sqrt(2 / pi)
   int64_t i = 0;
-  if (act == kSilu) {
 #ifdef __AVX2__
-    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) {
-      const __m256 v = _mm256_loadu_ps(g + i);
-      const __m256 s = _mm256_div_ps(v, _mm256_add_ps(one, firstlight::exp256(_mm256_sub_ps(zero, v))));
-      _mm256_storeu_ps(y + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
-    }
-#endif
-    for (; i < n; ++i) y[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-    return;
+  const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps(), a2 = _mm256_set1_ps(kAlpha2),
+               c3 = _mm256_set1_ps(0.044715f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(g + i);
+    const __m256 z = act == kSilu ? v : _mm256_mul_ps(a2, _mm256_fmadd_ps(_mm256_mul_ps(c3, v), _mm256_mul_ps(v, v), v));
+    const __m256 s = _mm256_div_ps(v, _mm256_add_ps(one, firstlight::exp256(_mm256_sub_ps(zero, z))));
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
   }
-  constexpr float kAlpha = 0.7978845608028654f;  // sqrt(2 / pi)
+#endif
   for (; i < n; ++i) {
-    const float v = g[i];
-    y[i] = 0.5f * v * (1.f + std::tanh(kAlpha * (v + 0.044715f * v * v * v))) * u[i];
+    const float v = g[i], z = act == kSilu ? v : kAlpha2 * (v + 0.044715f * v * v * v);
+    y[i] = v / (1.f + std::exp(-z)) * u[i];
   }
 }
 
@@ -134,6 +146,30 @@ at::Tensor normed(at::Tensor y, const at::Tensor& w, float eps) {
   return y;
 }
 
+}  // namespace
+
+// act(gate) * up over the rows of gate_up [..., 2I] (gate first: GatedMLP's fused projection) -> [..., I], one
+// pass and one output (torch's act(gate) * up: two passes, an intermediate the size of the output)
+at::Tensor gated_act_rows(const at::Tensor& gate_up, int64_t act) {
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0 &&
+                  (act == kSilu || act == kGeluTanh),
+              "firstlight::gated_act: fp32 [..., 2I] and act 0 (silu) or 1 (tanh-GELU), got ", gate_up.scalar_type(),
+              " ", gate_up.sizes(), ", act ", act);
+  const at::Tensor x = gate_up.contiguous();
+  const int64_t I = x.size(-1) / 2, rows = I ? x.numel() / (2 * I) : 0;
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = I;
+  at::Tensor y = at::empty(sizes, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) gated_act(xp + r * 2 * I, xp + r * 2 * I + I, I, act, yp + r * I);
+  });
+  return y;
+}
+
+namespace {
+
 std::shared_ptr<const Plan> get_plan(int64_t handle) {
   std::lock_guard<std::mutex> lock(plans_mu);
   auto it = plans.find(handle);
@@ -143,13 +179,13 @@ std::shared_ptr<const Plan> get_plan(int64_t handle) {
 
 }  // namespace
 
-// ints: E, H, Hkv, D, I, act, tiled f32 / int4 / a8 / int8, then per layer: type, rope, and (kind, group) of
+// ints: E, H, Hkv, D, I, act, tiled f32 / int4 / a8 / int8, oneDNN f32 rows, then per layer: type, rope, and (kind, group) of
 // qkv, o, gate_up, down. tensors: final norm, then per layer: in norm, q norm, k norm, pre-MLP norm, attention
 // output norm, MLP output norm, and (a, b, c, bias) of qkv, o, gate_up, down (empty tensors where absent).
 // floats: eps, attention scale.
 int64_t dense_decode_plan(at::TensorList tensors, at::IntArrayRef ints, at::ArrayRef<double> floats,
                           at::TensorList k_pools, at::TensorList v_pools) {
-  constexpr int64_t kHead = 10, kPerLayerInts = 10, kPerLayerTensors = 22;
+  constexpr int64_t kHead = 11, kPerLayerInts = 10, kPerLayerTensors = 22;
   TORCH_CHECK(ints.size() >= kHead && (ints.size() - kHead) % kPerLayerInts == 0 && floats.size() == 2,
               "firstlight::dense_decode_plan: malformed ints/floats");
   const int64_t num_layers = (static_cast<int64_t>(ints.size()) - kHead) / kPerLayerInts;
@@ -160,6 +196,7 @@ int64_t dense_decode_plan(at::TensorList tensors, at::IntArrayRef ints, at::Arra
   auto p = std::make_shared<Plan>();
   p->E = ints[0], p->H = ints[1], p->Hkv = ints[2], p->D = ints[3], p->I = ints[4], p->act = ints[5];
   p->tiled_f32 = ints[6], p->tiled_int4 = ints[7], p->tiled_a8 = ints[8], p->tiled_int8 = ints[9];
+  p->onednn_f32 = ints[10];
   p->eps = static_cast<float>(floats[0]), p->scale = static_cast<float>(floats[1]);
   TORCH_CHECK(p->Hkv > 0 && p->H % p->Hkv == 0 && (p->act == kSilu || p->act == kGeluTanh),
               "firstlight::dense_decode_plan: bad head counts or activation");
@@ -300,10 +337,12 @@ TORCH_LIBRARY_FRAGMENT(firstlight, lib) {
   lib.def("dense_decode_plan(Tensor[] tensors, int[] ints, float[] floats, Tensor[] k_pools, Tensor[] v_pools) -> int",
           &dense_decode_plan);
   lib.def("dense_decode_free(int plan) -> ()", &dense_decode_free);
+  lib.def("gated_act(Tensor gate_up, int act) -> Tensor");
   lib.def("dense_decode(int plan, Tensor x, Tensor positions, Tensor[] cos, Tensor[] sin, Tensor[] write_slots, "
           "Tensor[] gather_slots, Tensor[] key_positions, int[] windows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(firstlight, CPU, lib) {
   lib.impl("dense_decode", &dense_decode);
+  lib.impl("gated_act", &gated_act_rows);
 }

@@ -7,7 +7,13 @@
 // The engine's gather + SDPA path copies every row's whole context into [B, Hkv, L, D] per layer per
 // step, then SDPA reads it again; here each key and value vector is read once per (row, KV head), by all
 // G query heads of the group. Threads: at::parallel_for over (row, KV head). A row with no visible key
-// (a padding row) gets zeros. Scalar path without AVX2.
+// (a padding row) gets zeros.
+//
+// Per (row, KV head): the visible keys' row pointers first; then the scores of up to 4 query heads per key
+// (each key vector loaded once for them, the sums of 4 heads reduced together) while the K and V rows 8 keys
+// ahead are prefetched; a softmax per head; then the values, NQ heads x a tile of the head dimension in
+// registers, each value vector loaded once for the NQ heads. 16 lanes where the build has AVX-512, 8 with
+// AVX2, scalar without.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -21,47 +27,6 @@
 #include <vector>
 
 namespace {
-
-#ifdef __AVX2__
-inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-}
-#endif
-
-// s[j] = scale * q_j . k for up to 4 query heads j < nq (rows of q, stride D)
-inline void dots(const float* q, int64_t nq, const float* k, int64_t D, float scale, float* s) {
-  int64_t d = 0;
-  float r[4] = {0.f, 0.f, 0.f, 0.f};
-#ifdef __AVX2__
-  if (D % 8 == 0) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    for (; d + 16 <= D; d += 16) {  // two chains per head
-      const __m256 k0 = _mm256_loadu_ps(k + d), k1 = _mm256_loadu_ps(k + d + 8);
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), k0, a0);
-      b0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), k1, b0);
-      if (nq > 1) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + D + d), k0, a1);
-      if (nq > 1) b1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + D + d + 8), k1, b1);
-      if (nq > 2) a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * D + d), k0, a2);
-      if (nq > 2) b2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * D + d + 8), k1, b2);
-      if (nq > 3) a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 3 * D + d), k0, a3);
-      if (nq > 3) b3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 3 * D + d + 8), k1, b3);
-    }
-    for (; d < D; d += 8) {
-      const __m256 kv = _mm256_loadu_ps(k + d);
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), kv, a0);
-      if (nq > 1) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + D + d), kv, a1);
-      if (nq > 2) a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * D + d), kv, a2);
-      if (nq > 3) a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 3 * D + d), kv, a3);
-    }
-    a0 = _mm256_add_ps(a0, b0), a1 = _mm256_add_ps(a1, b1), a2 = _mm256_add_ps(a2, b2), a3 = _mm256_add_ps(a3, b3);
-    _mm_storeu_ps(r, hsum4(a0, a1, a2, a3));
-  }
-#endif
-  for (; d < D; ++d)
-    for (int64_t j = 0; j < nq; ++j) r[j] += q[j * D + d] * k[d];
-  for (int64_t j = 0; j < nq; ++j) s[j] = scale * r[j];
-}
 
 // p[0..L) = softmax(p), in place; entries of -inf get 0. False when every entry is -inf.
 inline bool softmax(float* p, int64_t L) {
@@ -94,6 +59,124 @@ inline bool softmax(float* p, int64_t L) {
   return true;
 }
 
+
+#ifdef __AVX2__
+// The vector width: 8 lanes (AVX2), or 16 where the build has AVX-512 (the avx512vnni one); `half` folds a
+// vector to 8 lanes for the horizontal sums.
+struct F8 {
+  using T = __m256;
+  static constexpr int kLanes = 8;
+  static T zero() { return _mm256_setzero_ps(); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, T a) { _mm256_storeu_ps(p, a); }
+  static T set1(float a) { return _mm256_set1_ps(a); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static __m256 half(T a) { return a; }
+};
+
+#ifdef __AVX512F__
+struct F16 {
+  using T = __m512;
+  static constexpr int kLanes = 16;
+  static T zero() { return _mm512_setzero_ps(); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, T a) { _mm512_storeu_ps(p, a); }
+  static T set1(float a) { return _mm512_set1_ps(a); }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static __m256 half(T a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  }
+};
+using Lanes = F16;
+#else
+using Lanes = F8;
+#endif
+
+inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+constexpr int64_t kAhead = 12;  // keys prefetched ahead (K and V rows: the value pass then reads V from cache)
+
+inline void prefetch_row(const float* r, int64_t D) {
+  for (int64_t off = 0; off < D; off += 16) _mm_prefetch(reinterpret_cast<const char*>(r + off), _MM_HINT_T0);
+}
+
+// p[j * n + i] = scale * q_j . k_i for NQ query heads (rows of q, stride D) and the n keys kr[i]; D % lanes == 0.
+template <class F, int NQ>
+void scores(const float* q, int64_t D, const float* const* kr, const float* const* vr, int64_t n, float scale,
+            float* p) {
+  const __m128 vs = _mm_set1_ps(scale);
+  alignas(16) float r[4];
+  for (int64_t i = 0; i < std::min(n, kAhead); ++i) {
+    prefetch_row(kr[i], D);
+    prefetch_row(vr[i], D);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) {
+      prefetch_row(kr[i + kAhead], D);
+      prefetch_row(vr[i + kAhead], D);
+    }
+    typename F::T a[4] = {F::zero(), F::zero(), F::zero(), F::zero()};
+    const float* k = kr[i];
+    for (int64_t d = 0; d < D; d += F::kLanes) {
+      const typename F::T kv = F::load(k + d);
+      for (int j = 0; j < NQ; ++j) a[j] = F::fma(F::load(q + j * D + d), kv, a[j]);
+    }
+    _mm_store_ps(r, _mm_mul_ps(vs, hsum4(F::half(a[0]), F::half(a[1]), F::half(a[2]), F::half(a[3]))));
+    for (int j = 0; j < NQ; ++j) p[j * n + i] = r[j];
+  }
+}
+
+// o_j[c0 .. c0 + CT vectors) = sum_i p[j * n + i] v_i for NQ heads: NQ x CT accumulators in registers, each
+// value vector loaded once for the NQ heads.
+template <class F, int NQ, int CT>
+void values_tile(const float* p, int64_t n, const float* const* vr, int64_t c0, float* o, int64_t D) {
+  typename F::T a[NQ][CT];
+  for (auto& row : a)
+    for (auto& x : row) x = F::zero();
+  for (int64_t i = 0; i < n; ++i) {
+    const float* v = vr[i] + c0;
+    typename F::T vv[CT];
+    for (int c = 0; c < CT; ++c) vv[c] = F::load(v + c * F::kLanes);
+    for (int j = 0; j < NQ; ++j) {
+      const typename F::T pj = F::set1(p[j * n + i]);
+      for (int c = 0; c < CT; ++c) a[j][c] = F::fma(pj, vv[c], a[j][c]);
+    }
+  }
+  for (int j = 0; j < NQ; ++j)
+    for (int c = 0; c < CT; ++c) F::store(o + j * D + c0 + c * F::kLanes, a[j][c]);
+}
+
+template <class F, int NQ>
+void values(const float* p, int64_t n, const float* const* vr, float* o, int64_t D) {
+  // tiles of CT vectors while NQ x CT accumulators fit the registers (16 ymm / 32 zmm, less the loads)
+  constexpr int CT = F::kLanes == 16 ? 4 : (NQ == 1 ? 8 : NQ == 2 ? 4 : NQ == 3 ? 3 : 2);
+  int64_t c0 = 0;
+  for (; c0 + CT * F::kLanes <= D; c0 += CT * F::kLanes) values_tile<F, NQ, CT>(p, n, vr, c0, o, D);
+  for (; c0 < D; c0 += F::kLanes) values_tile<F, NQ, 1>(p, n, vr, c0, o, D);
+}
+
+template <class F>
+void attend_group(const float* q, int64_t nq, int64_t D, const float* const* kr, const float* const* vr, int64_t n,
+                  float scale, float* p, float* o) {
+  switch (nq) {
+    case 1: scores<F, 1>(q, D, kr, vr, n, scale, p); break;
+    case 2: scores<F, 2>(q, D, kr, vr, n, scale, p); break;
+    case 3: scores<F, 3>(q, D, kr, vr, n, scale, p); break;
+    default: scores<F, 4>(q, D, kr, vr, n, scale, p); break;
+  }
+  for (int64_t j = 0; j < nq; ++j) softmax(p + j * n, n);
+  switch (nq) {
+    case 1: values<F, 1>(p, n, vr, o, D); break;
+    case 2: values<F, 2>(p, n, vr, o, D); break;
+    case 3: values<F, 3>(p, n, vr, o, D); break;
+    default: values<F, 4>(p, n, vr, o, D); break;
+  }
+}
+#endif
+
 }  // namespace
 
 void firstlight::paged_attention_rows(const float* qp, int64_t ldq, int64_t B, int64_t H, int64_t D,
@@ -101,57 +184,48 @@ void firstlight::paged_attention_rows(const float* qp, int64_t ldq, int64_t B, i
                                       const int64_t* sp, int64_t L, const bool* mp, float scale, float* op,
                                       int64_t ldo) {
   const int64_t G = H / Hkv;
-  const float s = scale, ninf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> p(static_cast<size_t>(G * L));
-    float row[4];
+    std::vector<float> p(static_cast<size_t>(std::max<int64_t>(G, 4) * L));
+    std::vector<const float*> kr(static_cast<size_t>(L)), vr(static_cast<size_t>(L));
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / Hkv, g = i % Hkv;
       const int64_t* rs = sp + b * L;
-      for (int64_t l = 0; l < L; ++l) {  // scores, p [G, L]
-        if (l + 4 < L && rs[l + 4] >= 0 && rs[l + 4] < nslots) {  // the key four ahead: another block, maybe
-          const char* nk = reinterpret_cast<const char*>(kp + (rs[l + 4] * Hkv + g) * D);
-          for (int64_t off = 0; off < D * 4; off += 64) __builtin_prefetch(nk + off);
+      int64_t n = 0;  // the visible keys
+      for (int64_t l = 0; l < L; ++l)
+        if ((mp == nullptr || mp[b * L + l]) && rs[l] >= 0 && rs[l] < nslots) {
+          kr[n] = kp + (rs[l] * Hkv + g) * D;
+          vr[n++] = vp + (rs[l] * Hkv + g) * D;
         }
-        const bool visible = (mp == nullptr || mp[b * L + l]) && rs[l] >= 0 && rs[l] < nslots;
-        const float* kv = kp + (rs[l] * Hkv + g) * D;
+      const float* q = qp + b * ldq + g * G * D;
+      float* o = op + b * ldo + g * G * D;
+      if (n == 0) {
+        std::fill(o, o + G * D, 0.f);
+        continue;
+      }
+#ifdef __AVX2__
+      if (D % F8::kLanes == 0) {
         for (int64_t j0 = 0; j0 < G; j0 += 4) {
           const int64_t nq = std::min<int64_t>(4, G - j0);
-          if (visible) dots(qp + b * ldq + (g * G + j0) * D, nq, kv, D, s, row);
-          for (int64_t j = 0; j < nq; ++j) p[(j0 + j) * L + l] = visible ? row[j] : ninf;
+          if (D % Lanes::kLanes == 0)
+            attend_group<Lanes>(q + j0 * D, nq, D, kr.data(), vr.data(), n, scale, p.data(), o + j0 * D);
+          else
+            attend_group<F8>(q + j0 * D, nq, D, kr.data(), vr.data(), n, scale, p.data(), o + j0 * D);
         }
+        continue;
       }
-      for (int64_t j = 0; j < G; ++j) softmax(p.data() + j * L, L);
-      for (int64_t j = 0; j < G; ++j) {  // out_j = sum_l p[j, l] v_l
-        float* o = op + b * ldo + (g * G + j) * D;
-        const float* pj = p.data() + j * L;
-        int64_t d = 0;
-#ifdef __AVX2__
-        // 64 output lanes in 8 accumulators (independent chains), each value row read once per 64 lanes
-        for (; d + 64 <= D; d += 64) {
-          __m256 a[8];
-          for (auto& x : a) x = _mm256_setzero_ps();
-          for (int64_t l = 0; l < L; ++l) {
-            if (pj[l] == 0.f) continue;
-            const float* vv = vp + (rs[l] * Hkv + g) * D + d;
-            const __m256 pl = _mm256_set1_ps(pj[l]);
-            for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(pl, _mm256_loadu_ps(vv + 8 * c), a[c]);
-          }
-          for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o + d + 8 * c, a[c]);
-        }
-        for (; d + 8 <= D; d += 8) {
-          __m256 a0 = _mm256_setzero_ps();
-          for (int64_t l = 0; l < L; ++l)
-            if (pj[l] != 0.f)
-              a0 = _mm256_fmadd_ps(_mm256_set1_ps(pj[l]), _mm256_loadu_ps(vp + (rs[l] * Hkv + g) * D + d), a0);
-          _mm256_storeu_ps(o + d, a0);
-        }
 #endif
-        for (; d < D; ++d) {
+      for (int64_t j = 0; j < G; ++j) {
+        float* pj = p.data() + j * n;
+        for (int64_t l = 0; l < n; ++l) {
           float acc = 0.f;
-          for (int64_t l = 0; l < L; ++l)
-            if (pj[l] != 0.f) acc += pj[l] * vp[(rs[l] * Hkv + g) * D + d];
-          o[d] = acc;
+          for (int64_t d = 0; d < D; ++d) acc += q[j * D + d] * kr[l][d];
+          pj[l] = scale * acc;
+        }
+        softmax(pj, n);
+        for (int64_t d = 0; d < D; ++d) {
+          float acc = 0.f;
+          for (int64_t l = 0; l < n; ++l) acc += pj[l] * vr[l][d];
+          o[j * D + d] = acc;
         }
       }
     }

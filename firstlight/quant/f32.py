@@ -84,13 +84,15 @@ class FusedGatedMLP(GatedMLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.gate_up_proj(x)
         if h.dtype != torch.float32 or h.device.type != "cpu" or (torch.is_grad_enabled() and h.requires_grad):
-            return super().forward(x)
+            gate, up = h.split(self.intermediate, dim=-1)  # the op has no backward, nor other dtypes
+            return self.down_proj(self.act(gate) * up)
         return self.down_proj(kernels.gated_act(h, self.act_name))
 
 
 def use_f32_kernel(model: nn.Module) -> int:
     """Route every plain fp32 nn.Linear of a CPU model through firstlight::f32_mm (and oneDNN, F32Linear), and
-    every fp32 GatedMLP with a silu or tanh-GELU gate through firstlight::gated_act; returns how many linears.
+    every GatedMLP with a silu or tanh-GELU gate through firstlight::gated_act (fp32 CPU activations; whatever
+    format its linears are in); returns how many linears.
 
     Nothing changes (0) when the extension is not in use (FIRSTLIGHT_CPU_KERNELS=aten, or a failed build in
     mode auto, which warns once).
@@ -105,7 +107,7 @@ def use_f32_kernel(model: nn.Module) -> int:
             swapped += 1
     for module in model.modules():
         act = next((a for a in kernels.GATED_ACTS if module.__dict__.get("act") is ACTIVATIONS[a]), None)
-        if type(module) is GatedMLP and act is not None and module.gate_up_proj.weight.dtype == torch.float32:
+        if type(module) is GatedMLP and act is not None:  # whatever its linears' format: it acts on their output
             module.__class__ = FusedGatedMLP
             module.act_name = act
     return swapped

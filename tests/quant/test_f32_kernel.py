@@ -140,3 +140,21 @@ def test_gated_mlps_take_the_fused_activation(kernel_isa, mode, tmp_path, family
     mlps = [m for m in model.modules() if isinstance(m, GatedMLP)]
     assert mlps and all(type(m) is FusedGatedMLP for m in mlps)
     assert torch.allclose(model(ids), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "w4a8"])
+def test_the_engine_loader_fuses_quantized_models_too(kernel_isa, mode, tmp_path, fmt):  # noqa: F811
+    """engine/llm.py `load`: quantization first, then the fp32 swaps; a GatedMLP over quantized linears takes the
+    fused activation as well (it acts on their fp32 output)."""
+    from firstlight.engine.llm import load
+
+    mode("auto")
+    path = write_tiny_checkpoint(tmp_path / "m", family="llama", seed=0)
+    model, _ = load(path, quantization=fmt)
+    mlps = [m for m in model.modules() if isinstance(m, GatedMLP)]
+    assert mlps and all(type(m) is FusedGatedMLP for m in mlps)
+    ids = torch.randint(0, model.config.vocab_size, (2, 24))
+    got = model(ids)
+    for m in mlps:
+        m.__class__ = GatedMLP
+    assert torch.allclose(got, model(ids), atol=1e-4, rtol=1e-4)

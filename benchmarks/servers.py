@@ -79,7 +79,7 @@ def kernel_rates(ms: tuple[int, ...], k: int = 576, n: int = 1536) -> dict[str, 
 
     lin = torch.nn.Linear(k, n, bias=False).requires_grad_(False)
     ours = copy.deepcopy(lin)
-    use_f32_kernel(ours)  # what `firstlight serve` runs fp32 linears on (firstlight::f32_mm up to 32 rows)
+    use_f32_kernel(ours)  # what `firstlight serve` runs fp32 linears on (f32_mm, oneDNN above onednn_min_rows())
     layers = {"fp32": ours, "fp32-blas": lin, **{f: get_format(f).quantize_linear(lin) for f in ("int8", "int4", "w4a8", "w8a8")}}
     out: dict[str, dict[int, float]] = {}
     with torch.inference_mode():

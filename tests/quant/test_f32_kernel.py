@@ -6,6 +6,9 @@ test_int4_kernel.py with the other ops)."""
 
 from __future__ import annotations
 
+import copy
+import io
+
 import pytest
 import torch
 from torch import nn
@@ -14,6 +17,7 @@ from firstlight import kernels
 from firstlight.models.layers import ACTIVATIONS, GatedMLP
 from firstlight.models.loader import load_model
 from firstlight.models.tiny import write_tiny_checkpoint
+from firstlight.quant import f32
 from firstlight.quant.f32 import F32Linear, FusedGatedMLP, onednn_min_rows, use_f32_kernel
 
 from .test_int4_kernel import kernel_isa, mode  # noqa: F401 - fixtures
@@ -93,7 +97,10 @@ def test_rows_above_the_limit_run_on_onednn(kernel_isa, mode, extra_rows, with_b
     x = torch.randn(onednn_min_rows() + extra_rows, 96)
     ref = x.double() @ lin.weight.double().t() + (lin.bias.double() if with_bias else 0)
     got = lin(x)
-    assert "_onednn_weight" in lin.__dict__ and "_onednn_weight" not in lin.state_dict()
+    assert lin in f32._REORDERED and list(lin.state_dict()) == (["weight", "bias"] if with_bias else ["weight"])
+    copied = copy.deepcopy(lin)  # the opaque copy stays outside the module: deepcopy and torch.save work
+    torch.save(lin, io.BytesIO())
+    assert torch.equal(copied(x), got)
     bound = 1e-5 * (x.double().abs() @ lin.weight.double().abs().t()).max().item() + 1e-6
     assert (got.double() - ref).abs().max().item() < bound
     small = x[: onednn_min_rows()]  # at the limit: our tiles, the same products

@@ -59,7 +59,6 @@ inline bool softmax(float* p, int64_t L) {
   return true;
 }
 
-
 #ifdef __AVX2__
 // The vector width: 8 lanes (AVX2), or 16 where the build has AVX-512 (the avx512vnni one); `half` folds a
 // vector to 8 lanes for the horizontal sums.

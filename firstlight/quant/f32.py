@@ -44,6 +44,18 @@ def onednn_min_rows() -> int | None:
     return _state["onednn"]
 
 
+def onednn_linear(x: torch.Tensor, reordered: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] times a weight reordered by oneDNN (+ bias): torch's mkldnn::_linear_pointwise."""
+    return torch.ops.mkldnn._linear_pointwise(x, reordered, bias, "none", [], "")
+
+
+def _give_up_onednn(error: Exception) -> None:
+    """A torch whose oneDNN cannot take it: our tiles and the BLAS for every fp32 linear, from now on."""
+    warnings.warn(f"oneDNN fp32 matmul unavailable ({error}); fp32 linears above {kernels.F32_MAX_TILED_M} rows "
+                  "use the BLAS", stacklevel=3)
+    _state["onednn"] = None
+
+
 class F32Linear(nn.Linear):
     """nn.Linear whose fp32 CPU products go through firstlight::f32_mm, and oneDNN above onednn_min_rows()
     (the BLAS where oneDNN is missing or fails); with autograd recording (a tensor that requires grad), torch's
@@ -56,9 +68,13 @@ class F32Linear(nn.Linear):
         x2 = x.reshape(-1, x.shape[-1])
         min_rows = None if torch.compiler.is_compiling() else onednn_min_rows()
         packed = self._reordered() if min_rows is not None and x2.shape[0] > min_rows else None
+        y = None
         if packed is not None:
-            y = torch.ops.mkldnn._linear_pointwise(x2, packed, self.bias, "none", [], "")
-        else:
+            try:
+                y = onednn_linear(x2, packed, self.bias)
+            except RuntimeError as e:
+                _give_up_onednn(e)
+        if y is None:
             y = kernels.f32_mm(x2, self.weight, self.bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -70,10 +86,8 @@ class F32Linear(nn.Linear):
         if got is None or got[0] != key:
             try:
                 got = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
-            except RuntimeError as e:  # a torch whose oneDNN cannot take it: the BLAS, from now on
-                warnings.warn(f"oneDNN fp32 matmul unavailable ({e}); fp32 linears above "
-                              f"{kernels.F32_MAX_TILED_M} rows use the BLAS", stacklevel=2)
-                _state["onednn"] = None
+            except RuntimeError as e:
+                _give_up_onednn(e)
                 return None
             _REORDERED[self] = got
         return got[1]

@@ -165,3 +165,22 @@ def test_the_engine_loader_fuses_quantized_models_too(kernel_isa, mode, tmp_path
     for m in mlps:
         m.__class__ = GatedMLP
     assert torch.allclose(got, model(ids), atol=1e-4, rtol=1e-4)
+
+
+def test_a_failing_onednn_falls_back_to_our_tiles_and_the_blas(kernel_isa, mode, monkeypatch):  # noqa: F811
+    mode("auto")
+    if onednn_min_rows() is None:
+        pytest.skip("this torch has no oneDNN")
+
+    def broken(*args):  # noqa: ANN002, ANN202
+        raise RuntimeError("no primitive for this shape")
+
+    monkeypatch.setattr(f32, "onednn_linear", broken)
+    monkeypatch.setitem(f32._state, "onednn", onednn_min_rows())
+    lin = nn.Linear(64, 32).requires_grad_(False)
+    use_f32_kernel(lin)
+    x = torch.randn(onednn_min_rows() + 40, 64)
+    with pytest.warns(UserWarning, match="oneDNN fp32 matmul unavailable"):
+        got = lin(x)
+    assert torch.allclose(got, torch.nn.functional.linear(x, lin.weight, lin.bias), atol=1e-5)
+    assert onednn_min_rows() is None  # given up for the process (the next call does not try again)

@@ -20,19 +20,25 @@ fp32 `F.linear` ~0.96 ms, this kernel ~0.43 ms; `torch._int_mm` has only a refer
 (~100 ms); oneDNN's `onednn.qlinear_pointwise` refuses per-token scales ("act scale/zp size should
 be 1") and took ~1.1 ms at per-tensor scale. (`benchmarks/quant_speed.py` measures the formats.)
 
-Why 7-bit weights by default (`weight_bits=7`: Qw = 63, Qx = 127): without VNNI, fbgemm multiplies
-with AVX2 `vpmaddubsw`, which adds each pair of uint8 x int8 products into an int16 *with saturation*.
-With uint8 activations up to 255 and weights up to +-127 a pair reaches 64,770 > 32,767, and on
-SmolLM2-135M's layers the result differed from exact integer arithmetic by 1-4 % (relative norm).
-Either side at 7 bits keeps every pair under 2^15 - 1 (255 x 63 x 2 = 32,130; 127 x 127 x 2 = 32,258),
-and the output then equals the exact integer result to fp32 rounding (measured 5e-8). `weight_bits=8`
-keeps 8-bit weights and takes 7-bit activations instead (Qx = 63). PyTorch's own dynamic
-quantization narrows the activations the same way (`reduce_range=True`), per tensor.
+Why 7-bit weights without VNNI (`weight_bits=7`: Qw = 63, Qx = 127): there fbgemm multiplies with AVX2
+`vpmaddubsw`, which adds each pair of uint8 x int8 products into an int16 *with saturation*. With uint8
+activations up to 255 and weights up to +-127 a pair reaches 64,770 > 32,767, and on SmolLM2-135M's
+layers the result differed from exact integer arithmetic by 1-4 % (relative norm). Either side at 7 bits
+keeps every pair under 2^15 - 1 (255 x 63 x 2 = 32,130; 127 x 127 x 2 = 32,258), and the output then
+equals the exact integer result to fp32 rounding (measured 5e-8). `weight_bits=8` keeps 8-bit weights and
+takes 7-bit activations instead (Qx = 63). PyTorch's own dynamic quantization narrows the activations the
+same way (`reduce_range=True`), per tensor. Where fbgemm runs its AVX-512 VNNI kernels (`vpdpbusd` adds
+in int32: no saturation; `fbgemm_exact_8x8()` probes the worst case, every code 127, once), `weight_bits=8`
+keeps both sides at 8 bits (Qw = Qx = 127), and it is the default there. With GPTQ, the 16 input channels of
+largest calibration mean square stay in fp32 (`num_exact_channels`; 8 until 2026-12-02: on the AVX-512 VNNI
+EPYC that default's perplexity ratio on SmolLM2-135M was 1.0105, above the issue's 1.01; 8-bit codes with 16
+exact channels: 1.0086, mean KL 0.0098 -> 0.0060; docs/QUANT.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -48,9 +54,32 @@ WEIGHT_BITS = (7, 8)
 KERNEL = "fbgemm int8 GEMM (quantized::linear_with_input_q_dq_qweight_dq_output_fp32), per-token activations"
 
 
+@functools.cache
+def fbgemm_exact_8x8() -> bool:
+    """Whether fbgemm's uint8 x int8 GEMM stays exact with 8-bit codes on both sides on this CPU (its VNNI
+    kernels) rather than saturating pairs of products in int16 (AVX2's vpmaddubsw): every code at 127."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return False
+    k, n = 64, 16
+    with _fbgemm_engine(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized tensor creation is deprecated (still the way to pack)
+        qweight = torch.quantize_per_channel(torch.full((n, k), 127.0), torch.ones(n, dtype=torch.double),
+                                             torch.zeros(n, dtype=torch.long), 0, torch.qint8)
+        packed = torch.ops.quantized.linear_prepack(qweight, None)
+        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(torch.full((1, k), 127.0), 1.0, 128,
+                                                                              packed)
+    return bool((y == 127 * 127 * k).all())
+
+
+def default_weight_bits() -> int:
+    return 8 if fbgemm_exact_8x8() else 7
+
+
 def qmax_pair(weight_bits: int) -> tuple[int, int]:
-    """(Qw, Qx): the largest weight and activation code; one side is 7-bit so vpmaddubsw cannot saturate."""
-    return (63, 127) if weight_bits == 7 else (127, 63)
+    """(Qw, Qx): the largest weight and activation code; one side is 7-bit where vpmaddubsw could saturate."""
+    if weight_bits == 7:
+        return 63, 127
+    return (127, 127) if fbgemm_exact_8x8() else (127, 63)
 
 
 @contextlib.contextmanager
@@ -155,8 +184,9 @@ class W8A8(QuantFormat):
     # kernel is the slowest path at batch 32 on CPU (docs/QUANT.md), w8a8 the fastest.
     int8_tied_head = False
 
-    def __init__(self, weight_bits: int = 7, num_exact_channels: int = 8, **opts: Any) -> None:
+    def __init__(self, weight_bits: int | None = None, num_exact_channels: int = 16, **opts: Any) -> None:
         super().__init__(**opts)
+        weight_bits = default_weight_bits() if weight_bits is None else weight_bits
         if weight_bits not in WEIGHT_BITS:
             raise QuantizationError(f"w8a8 weight_bits must be one of {WEIGHT_BITS}, got {weight_bits}")
         if num_exact_channels < 0:

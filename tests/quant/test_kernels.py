@@ -9,9 +9,11 @@ import torch
 from torch import nn
 
 from firstlight.quant import QuantizationError, get_format
+from firstlight.quant import w8a8 as w8a8_mod
 from firstlight.quant.fp8 import FP8_MAX, quantize_fp8
 from firstlight.quant.int4 import dequantize_groupwise_int4, quantize_groupwise_int4
 from firstlight.quant.int8 import quantize_per_channel_int8
+from firstlight.quant.w8a8 import fbgemm_exact_8x8, qmax_pair
 
 
 def _linear(n: int, k: int, bias: bool = True, seed: int = 0) -> nn.Linear:
@@ -172,7 +174,8 @@ def test_w8a8_equals_exact_integer_arithmetic_per_token(weight_bits):
     (no vpmaddubsw saturation with one side at 7 bits), scaled back; fp32 output rounding only."""
     lin = _linear(96, 64)
     q = get_format("w8a8", weight_bits=weight_bits).quantize_linear(lin)
-    qw, qx = (63, 127) if weight_bits == 7 else (127, 63)
+    qw, qx = qmax_pair(weight_bits)  # 8: (127, 127) where fbgemm's VNNI kernels cannot saturate, else (127, 63)
+    assert (qw, qx) == ((63, 127) if weight_bits == 7 else (127, 127 if fbgemm_exact_8x8() else 63))
     codes, scale = quantize_per_channel_int8(lin.weight, qmax=qw)
     assert int(codes.abs().max()) == qw and torch.equal(q.weight_scale, scale)
     assert torch.equal(q.dequantized_weight(), codes.float() * scale[:, None])
@@ -184,6 +187,15 @@ def test_w8a8_equals_exact_integer_arithmetic_per_token(weight_bits):
     assert out.shape == (3, 5, 96) and out.dtype == torch.float32
     assert torch.allclose(out.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
     assert _rel(out, lin(x)) < 0.05
+
+
+def test_w8a8_default_bits_follow_the_fbgemm_probe(monkeypatch):
+    """8-bit codes on both sides only where the worst case (every code 127) comes out exact; 7-bit weights else."""
+    assert get_format("w8a8").weight_bits == (8 if fbgemm_exact_8x8() else 7)
+    monkeypatch.setattr(w8a8_mod, "fbgemm_exact_8x8", lambda: False)  # an AVX2 CPU: vpmaddubsw would saturate
+    assert get_format("w8a8").weight_bits == 7 and qmax_pair(8) == (127, 63)
+    monkeypatch.setattr(w8a8_mod, "fbgemm_exact_8x8", lambda: True)
+    assert get_format("w8a8").weight_bits == 8 and qmax_pair(8) == (127, 127) and qmax_pair(7) == (63, 127)
 
 
 def test_w8a8_token_result_does_not_depend_on_its_batch():
@@ -212,10 +224,10 @@ def test_w8a8_exact_channels_are_multiplied_in_fp32():
     lin = _linear(48, 64)
     exact = torch.tensor([3, 17])
     scale = quantize_per_channel_int8(lin.weight.index_fill(1, exact, 0.0), qmax=63)[1]
-    q = get_format("w8a8").quantize_linear(lin, (scale, exact))
+    q = get_format("w8a8", weight_bits=7).quantize_linear(lin, (scale, exact))
     x = torch.randn(5, 64)
     x[:, exact] *= 50  # outliers: they would take the whole int8 range of every token
-    plain = get_format("w8a8").quantize_linear(lin)
+    plain = get_format("w8a8", weight_bits=7).quantize_linear(lin)
     assert _rel(q(x), lin(x)) < _rel(plain(x), lin(x)) / 3
     w = q.dequantized_weight()
     assert torch.equal(w[:, exact], lin.weight[:, exact])

@@ -57,18 +57,22 @@ KERNEL = "fbgemm int8 GEMM (quantized::linear_with_input_q_dq_qweight_dq_output_
 @functools.cache
 def fbgemm_exact_8x8() -> bool:
     """Whether fbgemm's uint8 x int8 GEMM stays exact with 8-bit codes on both sides on this CPU (its VNNI
-    kernels) rather than saturating pairs of products in int16 (AVX2's vpmaddubsw): every code at 127."""
+    kernels) rather than saturating pairs of products in int16 (AVX2's vpmaddubsw): every code at 127, at
+    a decode-sized, a batch-sized and a prefill-sized row count (fbgemm picks its kernel by shape too)."""
     if "fbgemm" not in torch.backends.quantized.supported_engines:
         return False
-    k, n = 64, 16
+    n = 32
     with _fbgemm_engine(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # quantized tensor creation is deprecated (still the way to pack)
-        qweight = torch.quantize_per_channel(torch.full((n, k), 127.0), torch.ones(n, dtype=torch.double),
-                                             torch.zeros(n, dtype=torch.long), 0, torch.qint8)
-        packed = torch.ops.quantized.linear_prepack(qweight, None)
-        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(torch.full((1, k), 127.0), 1.0, 128,
-                                                                              packed)
-    return bool((y == 127 * 127 * k).all())
+        for m, k in ((1, 64), (33, 576), (300, 256)):
+            qweight = torch.quantize_per_channel(torch.full((n, k), 127.0), torch.ones(n, dtype=torch.double),
+                                                 torch.zeros(n, dtype=torch.long), 0, torch.qint8)
+            packed = torch.ops.quantized.linear_prepack(qweight, None)
+            y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+                torch.full((m, k), 127.0), 1.0, 128, packed)
+            if not bool((y == 127 * 127 * k).all()):
+                return False
+    return True
 
 
 def default_weight_bits() -> int:

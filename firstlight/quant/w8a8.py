@@ -75,10 +75,6 @@ def fbgemm_exact_8x8() -> bool:
     return True
 
 
-def default_weight_bits() -> int:
-    return 8 if fbgemm_exact_8x8() else 7
-
-
 def qmax_pair(weight_bits: int) -> tuple[int, int]:
     """(Qw, Qx): the largest weight and activation code; one side is 7-bit where vpmaddubsw could saturate."""
     if weight_bits == 7:
@@ -190,7 +186,8 @@ class W8A8(QuantFormat):
 
     def __init__(self, weight_bits: int | None = None, num_exact_channels: int = 16, **opts: Any) -> None:
         super().__init__(**opts)
-        weight_bits = default_weight_bits() if weight_bits is None else weight_bits
+        if weight_bits is None:  # 8-bit codes on both sides where fbgemm cannot saturate, else 7-bit weights
+            weight_bits = 8 if fbgemm_exact_8x8() else 7
         if weight_bits not in WEIGHT_BITS:
             raise QuantizationError(f"w8a8 weight_bits must be one of {WEIGHT_BITS}, got {weight_bits}")
         if num_exact_channels < 0:

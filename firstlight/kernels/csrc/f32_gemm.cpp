@@ -29,11 +29,7 @@ namespace {
 constexpr int64_t kNR = 4;  // output rows per micro-kernel
 
 #ifdef __AVX2__
-// [sum(a0), sum(a1), sum(a2), sum(a3)]
-inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-}
+using firstlight::hsum4;
 
 // One weight row's 8 lanes times the MR activation rows' into their accumulators (inlined: they stay registers).
 template <int MR>

@@ -51,6 +51,43 @@ void paged_attention_rows(const float* q, int64_t ldq, int64_t B, int64_t H, int
                           const bool* mask, float scale, float* out, int64_t ldo);
 
 #ifdef __AVX2__
+// [sum(a0), sum(a1), sum(a2), sum(a3)]
+inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// fp32 vectors of 8 lanes (AVX2) and 16 (builds with AVX-512), for kernels templated on the width; `half`
+// folds a vector to 8 lanes for hsum4.
+struct F32x8 {
+  using T = __m256;
+  static constexpr int kLanes = 8;
+  static T zero() { return _mm256_setzero_ps(); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, T a) { _mm256_storeu_ps(p, a); }
+  static T set1(float a) { return _mm256_set1_ps(a); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static __m256 half(T a) { return a; }
+};
+
+#ifdef __AVX512F__
+struct F32x16 {
+  using T = __m512;
+  static constexpr int kLanes = 16;
+  static T zero() { return _mm512_setzero_ps(); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, T a) { _mm512_storeu_ps(p, a); }
+  static T set1(float a) { return _mm512_set1_ps(a); }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static __m256 half(T a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  }
+};
+using F32xWide = F32x16;  // the widest this build has
+#else
+using F32xWide = F32x8;
+#endif
+
 // e^x for 8 floats (Cephes' expf as in avx_mathfun: 2^n * poly(r), ~1 ulp over the softmax range; x <= 0
 // here, and exp of very negative x flushes to 0)
 inline __m256 exp256(__m256 x) {

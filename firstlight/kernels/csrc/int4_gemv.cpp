@@ -109,9 +109,7 @@ inline __m256 mins_term(const float* mr, const float* xs, int64_t ngroups, __m25
 
 // y[n] .. y[n + 3] = the four row sums (acc[r] lanes + tail[r]): one transpose-add for the four rows.
 inline void store4(__m256 a0, __m256 a1, __m256 a2, __m256 a3, const float* tail, float* y) {
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  _mm_storeu_ps(y, _mm_add_ps(s, _mm_loadu_ps(tail)));
+  _mm_storeu_ps(y, _mm_add_ps(firstlight::hsum4(a0, a1, a2, a3), _mm_loadu_ps(tail)));
 }
 
 // The end of the M = 1 kernels: the zero-point terms of R (1 or 4) rows from n, and their sums into y[n..].
@@ -184,8 +182,7 @@ template <int C>
 inline void hsums(const __m256* acc, float* out) {
   int i = 0;
   for (; i + 4 <= C; i += 4) {
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[i], acc[i + 1]), _mm256_hadd_ps(acc[i + 2], acc[i + 3]));
-    _mm_storeu_ps(out + i, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    _mm_storeu_ps(out + i, firstlight::hsum4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]));
   }
   for (; i < C; ++i) out[i] = hsum(acc[i]);
 }
@@ -246,31 +243,21 @@ void int4_mm_panel(const float* x, int64_t M, int64_t K, int64_t N, const uint8_
 
 // The vector width of int8_tile: 8 lanes (AVX2), or 16 in the avx512vnni build (16 weights converted per
 // instruction, twice the fmas per instruction, 32 registers: always 4 output rows).
-struct Lanes8 {
-  using T = __m256;
-  static constexpr int kLanes = 8;
+struct Lanes8 : firstlight::F32x8 {
   static constexpr int nr(int mr) { return nr_for(mr); }
-  static T zero() { return _mm256_setzero_ps(); }
   static T weights(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
-  static T load(const float* p) { return _mm256_loadu_ps(p); }
-  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
   template <int C>
   static void sums(const T* acc, float* out) { hsums<C>(acc, out); }
 };
 
 #ifdef __AVX512F__
-struct Lanes16 {
-  using T = __m512;
-  static constexpr int kLanes = 16;
+struct Lanes16 : firstlight::F32x16 {
   static constexpr int nr(int) { return 4; }
-  static T zero() { return _mm512_setzero_ps(); }
   static T weights(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
-  static T load(const float* p) { return _mm512_loadu_ps(p); }
-  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
   template <int C>
   static void sums(const T* acc, float* out) {
     for (int i = 0; i < C; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
@@ -452,9 +439,7 @@ void rows_avx2_a8(const int8_t* qx, const float* sc, int64_t lds, int64_t K, con
     }
     float* yt = y + t * ldy;
     if constexpr (R == 4) {
-      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[t][0], acc[t][1]), _mm256_hadd_ps(acc[t][2], acc[t][3]));
-      const __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-      _mm_storeu_ps(yt + n, _mm_add_ps(s, _mm_loadu_ps(tail)));
+      store4(acc[t][0], acc[t][1], acc[t][2], acc[t][3], tail, yt + n);
     } else {
       for (int r = 0; r < R; ++r) yt[n + r] = hsum(acc[t][r]) + tail[r];
     }

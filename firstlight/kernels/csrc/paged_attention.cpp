@@ -23,19 +23,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <vector>
 
 namespace {
 
-// p[0..L) = softmax(p), in place; entries of -inf get 0. False when every entry is -inf.
-inline bool softmax(float* p, int64_t L) {
-  const float ninf = -std::numeric_limits<float>::infinity();
+// p[0..L) = softmax(p), in place (L >= 1: the scores of the visible keys)
+inline void softmax(float* p, int64_t L) {
   const float mx = *std::max_element(p, p + L);
-  if (mx == ninf) {
-    std::fill(p, p + L, 0.f);
-    return false;
-  }
   int64_t l = 0;
   float sum = 0.f;
 #ifdef __AVX2__
@@ -56,45 +50,12 @@ inline bool softmax(float* p, int64_t L) {
   }
   const float inv = 1.f / sum;
   for (l = 0; l < L; ++l) p[l] *= inv;
-  return true;
 }
 
 #ifdef __AVX2__
-// The vector width: 8 lanes (AVX2), or 16 where the build has AVX-512 (the avx512vnni one); `half` folds a
-// vector to 8 lanes for the horizontal sums.
-struct F8 {
-  using T = __m256;
-  static constexpr int kLanes = 8;
-  static T zero() { return _mm256_setzero_ps(); }
-  static T load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, T a) { _mm256_storeu_ps(p, a); }
-  static T set1(float a) { return _mm256_set1_ps(a); }
-  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
-  static __m256 half(T a) { return a; }
-};
-
-#ifdef __AVX512F__
-struct F16 {
-  using T = __m512;
-  static constexpr int kLanes = 16;
-  static T zero() { return _mm512_setzero_ps(); }
-  static T load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, T a) { _mm512_storeu_ps(p, a); }
-  static T set1(float a) { return _mm512_set1_ps(a); }
-  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
-  static __m256 half(T a) {
-    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-  }
-};
-using Lanes = F16;
-#else
-using Lanes = F8;
-#endif
-
-inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-}
+using firstlight::F32x8;
+using firstlight::F32xWide;
+using firstlight::hsum4;
 
 constexpr int64_t kAhead = 12;  // keys prefetched ahead (K and V rows: the value pass then reads V from cache)
 
@@ -202,13 +163,13 @@ void firstlight::paged_attention_rows(const float* qp, int64_t ldq, int64_t B, i
         continue;
       }
 #ifdef __AVX2__
-      if (D % F8::kLanes == 0) {
+      if (D % F32x8::kLanes == 0) {
         for (int64_t j0 = 0; j0 < G; j0 += 4) {
           const int64_t nq = std::min<int64_t>(4, G - j0);
-          if (D % Lanes::kLanes == 0)
-            attend_group<Lanes>(q + j0 * D, nq, D, kr.data(), vr.data(), n, scale, p.data(), o + j0 * D);
+          if (D % F32xWide::kLanes == 0)
+            attend_group<F32xWide>(q + j0 * D, nq, D, kr.data(), vr.data(), n, scale, p.data(), o + j0 * D);
           else
-            attend_group<F8>(q + j0 * D, nq, D, kr.data(), vr.data(), n, scale, p.data(), o + j0 * D);
+            attend_group<F32x8>(q + j0 * D, nq, D, kr.data(), vr.data(), n, scale, p.data(), o + j0 * D);
         }
         continue;
       }

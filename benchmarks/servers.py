@@ -27,8 +27,10 @@ llama-cpp-python runs `--interrupt_requests False` (by default a new request cut
 
 Bounds (roofline, Williams et al. 2009), per server from its own weight format and kernel: a decode step
 of batch c costs max(weight bytes / copy bandwidth, c x 2 x matmul params FLOPs / GEMM rate of the kernel
-at M = c), a prompt of 128 tokens 128 x 2 x params / GEMM rate at M = 128; rates and bandwidth measured in
-this process before the servers start, with the same thread count. llama.cpp's kernels are not measured
+at M = c); a prompt of P tokens (P: the mean the client reports sending, 128 random tokens plus its cache-bust
+nonce) 2 x (P x the layers' matmul params + the head's) / GEMM rate at M = 128 (only the last prompt token
+needs logits), and it yields the first output token, so a request of n output tokens takes n - 1 decode
+steps; rates and bandwidth measured in this process before the servers start, with the same thread count. llama.cpp's kernels are not measured
 here: its bound uses the GGUF's bytes and our w4a8 GEMM rate (the Q4_1 x Q8_1 dot products it runs are
 w4a8's int4 x int8 multiply-adds).
 """
@@ -96,12 +98,12 @@ def kernel_rates(ms: tuple[int, ...], k: int = 576, n: int = 1536) -> dict[str, 
     return out
 
 
-def bound_tok_s(weight_bytes: int, params: int, bw_gbs: float, rate: dict[int, float], c: int,
-                output_len: int, prompt_len: int = PROMPT_LEN) -> float:
+def bound_tok_s(weight_bytes: int, params: int, head_params: int, bw_gbs: float, rate: dict[int, float], c: int,
+                output_len: int, prompt_len: float = PROMPT_LEN) -> float:
     """Output tok/s of a closed loop of c requests (prompt, output_len) no server can beat here."""
     step_s = max(weight_bytes / (bw_gbs * 1e9), c * 2 * params / (rate[c] * 1e9))
-    prefill_s = prompt_len * 2 * params / (rate[PROMPT_LEN] * 1e9)  # per request
-    return c * output_len / (output_len * step_s + c * prefill_s)
+    prefill_s = 2 * (prompt_len * (params - head_params) + head_params) / (rate[PROMPT_LEN] * 1e9)  # per request
+    return c * output_len / ((output_len - 1) * step_s + c * prefill_s)
 
 
 # ---- the servers ---------------------------------------------------------------------------------
@@ -295,6 +297,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     model, _ = load_model(args.tokenizer, with_tokenizer=False)
     params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    head_params = model.lm_head.weight.numel()
     del model
     bw = copy_bandwidth_gbs()
     rates = kernel_rates(tuple(sorted({1, PROMPT_LEN, *args.concurrency})))
@@ -318,7 +321,7 @@ def main() -> None:
         (out / "servers.json").write_text(json.dumps({"results": results, "skipped": skipped}, indent=1))
     load1 = os.getloadavg()
     summary = {"model": args.model, "threads": args.threads, "copy_bandwidth_gbs": bw, "gemm_gflops": rates,
-               "matmul_params": params, "load_average": [load0, load1], "results": results, "skipped": skipped,
+               "matmul_params": params, "head_params": head_params, "load_average": [load0, load1], "results": results, "skipped": skipped,
                "slo": args.slo}
     (out / "servers.json").write_text(json.dumps(summary, indent=1))
     print_tables(summary, args)
@@ -326,6 +329,7 @@ def main() -> None:
 
 def print_tables(s: dict, args: argparse.Namespace) -> None:
     bw, rates, params = s["copy_bandwidth_gbs"], s["gemm_gflops"], s["matmul_params"]
+    head = s.get("head_params", 0)  # runs before it was recorded: logits of every prompt token
     la = s["load_average"]
     print(f"\n{s['model']}, {s['threads']} threads; copy bandwidth {bw:.1f} GB/s; GEMM GFLOP/s at M=1/"
           f"{'/'.join(str(c) for c in args.concurrency)}/128: " + "; ".join(
@@ -344,7 +348,9 @@ def print_tables(s: dict, args: argparse.Namespace) -> None:
         outs = []
         for c in args.concurrency:
             m = r.get(f"c{c}", {})
-            cells.append(f"{fmt(m.get('output_throughput'))} ({bound_tok_s(wb, params, bw, rate, c, CLOSED_OUT):.0f})")
+            sent = (m.get("input_tokens") or {}).get("mean") or PROMPT_LEN
+            bound = bound_tok_s(wb, params, head, bw, rate, c, CLOSED_OUT, sent)
+            cells.append(f"{fmt(m.get('output_throughput'))} ({bound:.0f})")
             outs.append(fmt((m.get("output_tokens") or {}).get("mean"), 0))
         ttft = (single.get("ttft_ms") or {}).get("median")
         print(f"| {r['name']} | {wb / 1e6:.0f} | {fmt(dec)} ({dec_bound:.0f}) | {fmt(ttft, 0)} | " + " | ".join(cells)

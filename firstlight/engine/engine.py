@@ -48,8 +48,9 @@ class EngineConfig:
     # sliding-window layers keep only their window's blocks (free the rest; mixed models get a second
     # block pool for them, engine/kv_groups.py); False: every layer keeps every block, as before
     free_out_of_window: bool = True
-    # decode attention reads each row's keys in place in the pools (CPU, fp32 KV, our kernel extension:
-    # firstlight::paged_decode_attention); False: every layer gathers its keys and runs SDPA
+    # attention on our kernel extension (CPU, fp32 KV): decode reads each row's keys in place in the pools
+    # (firstlight::paged_decode_attention), prefill chunks run firstlight::attention on the gathered keys;
+    # False: every layer gathers its keys and runs SDPA
     paged_attention: bool = True
     # an uncompiled decode step runs every layer of a dense decoder in one native call (engine/native_decode.py;
     # needs paged_attention's conditions, declines other families and formats); False: the modules, op by op

@@ -82,7 +82,7 @@ class PagedKVCache:
         paged_attention: bool = False,
     ) -> None:
         self.k_pools, self.v_pools = k_pools, v_pools
-        self.paged_attention = paged_attention  # see attend_decode; the runner decides (fp32 pools on CPU)
+        self.paged_attention = paged_attention  # see attend; the runner decides (fp32 pools on CPU)
         self.state_pools = state_pools or {}  # layer -> (conv pool, recurrent pool), [slots, ...] each
         self.state_slots = state_slots  # [B] the slot of each row
         # a verify pass over speculative rows: recurrent layers also report the state after every
@@ -139,17 +139,22 @@ class PagedKVCache:
         v_all = v_pool.index_select(0, flat).view(shape).transpose(1, 2)
         return k_all, v_all
 
-    def attend_decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      mask: torch.Tensor | None, scale: float) -> torch.Tensor | None:
-        """One new token per row: store k, v [B, Hkv, 1, D] and attend q [B, H, 1, D] to each row's keys where
-        they lie in the pools (firstlight::paged_decode_attention: no gather) -> [B, H, 1, D]. None when this
-        cache does not (`paged_attention` off: quantized KV, not fp32 on CPU, no kernel); the caller then
-        gathers through `update` and runs SDPA. mask: the model's boolean [B, 1, 1, L] or None (all visible)."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | str | None, scale: float) -> torch.Tensor | None:
+        """Store k, v [B, Hkv, S, D] as `update` does and attend q [B, H, S, D] on our CPU kernels -> [B, H, S, D];
+        None (nothing stored) when this cache does not (`paged_attention` off: quantized KV, not fp32 on CPU, no
+        kernel): the caller then runs `update` and SDPA. mask: the model's (boolean [B, 1, S, L], CAUSAL or None).
+        One new token per row reads its keys where they lie in the pools (firstlight::paged_decode_attention, no
+        gather); a prefill chunk gathers them as `update` does and runs firstlight::attention on that."""
         if not self.paged_attention:
             return None
+        batch, heads, seq, head_dim = q.shape
+        if seq > 1 or isinstance(mask, str):
+            causal = isinstance(mask, str)
+            k_all, v_all = self.update(layer, k, v)
+            return kernels.attention(q, k_all, v_all, None if causal else mask, causal, scale)
         view = self._layer_views[layer]
         self._store(layer, view, *self._new_rows(k, v))
-        batch, heads, _, head_dim = q.shape
         out = kernels.paged_decode_attention(
             q.reshape(batch, heads, head_dim), self.k_pools[layer], self.v_pools[layer], view.gather_slots,
             None if mask is None else mask.reshape(batch, -1), scale)
@@ -339,7 +344,7 @@ class ModelRunner:
                 return (slots + 1, *tail)
             return [self._pool(shape(i), dtype) for i in range(cfg.num_layers)]
 
-        # decode attention over the pools in place (firstlight::paged_decode_attention), where it applies
+        # attention on our kernels (PagedKVCache.attend: decode over the pools in place), where they apply
         self.paged_attention = (paged_attention and self.device.type == "cpu" and pool_dtype == torch.float32
                                 and kernels.load_kernel() is not None)
         self.k_pools = kv_pools((cfg.num_kv_heads, cfg.head_dim), pool_dtype)

@@ -1,15 +1,15 @@
 """firstlight's own CPU kernels, one extension built once per machine at first use, from csrc/:
 int4_gemv.cpp (int4 and int8 weights), int4_vnni.cpp (w4a8 on its tiled layout: AVX-512 VNNI or AVX2),
 f32_gemm.cpp (fp32 weights at decode-sized batches), paged_attention.cpp (decode attention over the paged KV
-pools), dense_decode.cpp (a dense decoder's whole decode step, engine/native_decode.py); firstlight_kernels.h
-holds what they share.
+pools, and prefill attention over gathered keys), dense_decode.cpp (a dense decoder's whole decode step,
+engine/native_decode.py); firstlight_kernels.h holds what they share.
 
 `torch.utils.cpp_extension.load` compiles them into `$FIRSTLIGHT_HOME/kernels/<name>` (-O3 -fopenmp, plus
 -mavx2 -mfma when torch reports an AVX2 CPU, and the AVX-512 VNNI flags when the CPU has them: ISA
 avx512vnni) and loads the torch ops `firstlight::int4_mm`, `int8_mm`, `f32_mm`, `paged_decode_attention`,
-`dense_decode`, ... (registered in C++ with TORCH_LIBRARY, so an eager call costs one dispatcher hop, not a
-Python one; `register_fake` here gives torch.compile their shapes, so a compiled decode keeps each call as
-one opaque node).
+`attention`, `dense_decode`, ... (registered in C++ with TORCH_LIBRARY, so an eager call costs one dispatcher
+hop, not a Python one; `register_fake` here gives torch.compile their shapes, so a compiled decode keeps each
+call as one opaque node).
 
 FIRSTLIGHT_CPU_KERNELS (FIRSTLIGHT_INT4_KERNEL, its earlier name, is read when it is unset): `auto` (default)
 uses ours if it builds, else torch's kernels with one warning; `aten` forces torch's; `firstlight` requires ours
@@ -145,6 +145,11 @@ def _register_fakes() -> None:
     def _(q, k_pool, v_pool, slots, mask, scale):  # noqa: ANN001, ANN202
         return q.new_empty(q.shape)
 
+    @torch.library.register_fake("firstlight::attention")
+    def _(q, k, v, mask, causal, scale):  # noqa: ANN001, ANN202
+        b, h, s, d = q.shape
+        return q.new_empty((b, s, h, d)).permute(0, 2, 1, 3)
+
     @torch.library.register_fake("firstlight::int4_dequant")
     def _(packed, scales, mins, group_size):  # noqa: ANN001, ANN202
         if packed.dim() == 3:
@@ -254,6 +259,14 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     """One query token per row, q [B, H, D], over its keys in place: pools [slots, Hkv, D], slots [B, L] (the
     row's key slots), mask [B, L] (True = visible; None = all) -> [B, H, D] (zeros for a row that sees none)."""
     return torch.ops.firstlight.paged_decode_attention(q, k_pool, v_pool, slots, mask, scale)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+              scale: float) -> torch.Tensor:
+    """SDPA with GQA for fp32 on CPU: q [B, H, S, D] over k, v [B, Hkv, L, D] (H a multiple of Hkv) -> [B, H, S, D]
+    (laid out [B, S, H, D]). mask: boolean [B, 1, S, L] or [B, S, L] (True = visible); without one, causal
+    (query i sees keys j <= L - S + i) or, causal False, every key. A query that sees no key gets zeros."""
+    return torch.ops.firstlight.attention(q, k, v, mask, causal, scale)
 
 
 def quantize_act_int8(x: torch.Tensor) -> torch.Tensor:

@@ -23,10 +23,11 @@ paged cache gathers only the window for sliding-window layers) returns a dict {l
 so a cache is free to lay memory out as it likes: contiguous (below), or paged blocks gathered
 through a block table (the engine's cache).
 
-Optionally, for a decode pass (one new token per row), a cache may attend in place instead of returning
-gathered keys: `out = cache.attend_decode(layer, q, k, v, mask, scale)` stores k, v as `update` would and
-returns the attention output [B, H, 1, D] over the same keys under the model's mask, or None to decline
-(the model then calls `update` and runs SDPA). The engine's paged cache reads its pools in place.
+Optionally, a cache may attend itself instead of returning gathered keys: `out = cache.attend(layer, q, k, v,
+mask, scale)` (mask: the model's boolean [B, 1, S, L], CAUSAL or None) stores k, v as `update` would and returns
+the attention output [B, H, S, D] over the same keys under that mask, or None, having stored nothing, to decline
+(the model then calls `update` and runs SDPA). The engine's paged cache reads its pools in place at decode
+and runs its own kernel on prefill chunks.
 """
 
 from __future__ import annotations

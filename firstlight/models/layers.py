@@ -224,8 +224,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # decode: a cache that can attends in place over its own storage (engine/runner.py attend_decode)
-        attend = getattr(cache, "attend_decode", None) if seq == 1 and not isinstance(mask, str) else None
+        # a cache that attends itself (the engine's: over its own storage, on its kernels; engine/runner.py attend)
+        attend = getattr(cache, "attend", None)
         out = attend(self.layer, q, k, v, mask, self.scale) if attend is not None else None
         if out is None:
             k, v = cache.update(self.layer, k, v)  # k, v: [B, Hkv, L, D]

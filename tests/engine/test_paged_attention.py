@@ -1,6 +1,7 @@
-"""Decode attention over the paged pools in place (firstlight::paged_decode_attention, engine/runner.py
-attend_decode): equal to gather + SDPA for every head grouping, head size, mask and padding; the engine's
-tokens and logits the same with it on or off; declined where it does not apply (quantized KV)."""
+"""The engine's attention kernels (engine/runner.py PagedKVCache.attend): decode over the paged pools in place
+(firstlight::paged_decode_attention) and prefill chunks over the gathered keys (firstlight::attention), each
+equal to SDPA for every head grouping, head size, mask and padding; the engine's tokens and logits the same
+with them on or off; declined where they do not apply (quantized KV)."""
 
 from __future__ import annotations
 
@@ -62,9 +63,64 @@ def test_rejects_mismatched_shapes(kernel_isa):  # noqa: F811
                                            None, 1.0)
 
 
+def _sdpa64(q, k, v, mask, causal, scale):  # noqa: ANN001, ANN202
+    """SDPA in fp64 with the kernel's conventions: causal queries are the last S of the L positions, and a query
+    that sees no key gets zeros."""
+    s, length = q.shape[2], k.shape[2]
+    if mask is None and causal:
+        mask = torch.ones(s, length, dtype=torch.bool).tril(length - s).expand(q.shape[0], s, length)
+    m = None if mask is None else mask.reshape(q.shape[0], 1, s, length)
+    out = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=m, scale=scale,
+                                         enable_gqa=k.shape[1] != q.shape[1])
+    if m is not None:
+        out = out.masked_fill(~m.any(-1, keepdim=True), 0.0)
+    return out.float()
+
+
+def _qkv(batch, heads, kv_heads, seq, keys, head_dim):  # noqa: ANN001, ANN202
+    """q [B, H, S, D], k, v [B, Hkv, L, D] as the model and the cache make them: views of [B, S, H, D] storage."""
+    q = torch.randn(batch, seq, heads, head_dim).transpose(1, 2)
+    k = torch.randn(batch, keys, kv_heads, head_dim).transpose(1, 2)
+    v = torch.randn(batch, keys, kv_heads, head_dim).transpose(1, 2)
+    return q, k, v
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (8, 1, 72), (16, 2, 20), (6, 3, 128),
+                                                     (12, 2, 48), (3, 3, 8)])
+@pytest.mark.parametrize("seq,keys", [(7, 7), (37, 37), (5, 40), (1, 9), (70, 130)])
+def test_prefill_attention_equals_sdpa(kernel_isa, heads, kv_heads, head_dim, seq, keys):  # noqa: F811
+    """Causal (the queries the last `seq` positions), a boolean mask (random; a sliding window; rows that see
+    nothing) and no mask, on strided q, k, v as the model passes them."""
+    torch.manual_seed(heads * 1000 + head_dim * 10 + seq)
+    batch, scale = 3, head_dim ** -0.5
+    q, k, v = _qkv(batch, heads, kv_heads, seq, keys, head_dim)
+    pos = torch.arange(keys - seq, keys)[:, None]
+    window = (torch.arange(keys) <= pos) & (pos - torch.arange(keys) < 4)
+    sparse = torch.rand(batch, seq, keys) < 0.4
+    sparse[:, seq // 2] = False  # a query that sees no key
+    cases = [(None, True), (None, False), (window.expand(batch, seq, keys), False), (sparse, False),
+             (window[None, None].expand(batch, 1, seq, keys), False)]  # the model's [B, 1, S, L]
+    for mask, causal in cases:
+        got = kernels.attention(q, k, v, mask, causal, scale)
+        ref = _sdpa64(q, k, v, mask, causal, scale)
+        assert got.shape == (batch, heads, seq, head_dim)
+        assert torch.allclose(got, ref, atol=3e-6, rtol=1e-5), (mask is None, causal, (got - ref).abs().max())
+
+
+def test_prefill_attention_rejects_bad_shapes(kernel_isa):  # noqa: F811
+    q, k, v = _qkv(2, 4, 2, 5, 5, 16)
+    with pytest.raises(RuntimeError, match="does not match"):
+        kernels.attention(q, k[:, :, :, :8], v, None, True, 1.0)
+    with pytest.raises(RuntimeError, match="mask must be"):
+        kernels.attention(q, k, v, torch.ones(2, 5, 4, dtype=torch.bool), False, 1.0)
+    with pytest.raises(RuntimeError, match="fp32"):
+        kernels.attention(q.double(), k, v, None, True, 1.0)
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 def test_engine_tokens_and_logprobs_same_with_and_without(kernel_isa, family, tmp_path):  # noqa: F811
-    """Staggered prompts (decode rows of different lengths, padded keys), sliding-window layers (gemma3)."""
+    """Staggered prompts (decode rows of different lengths, padded keys), prefill chunks with earlier context
+(masked) and without (causal), sliding-window layers (gemma3)."""
     from firstlight.models.loader import load_model
     from firstlight.models.tiny import write_tiny_checkpoint
 

@@ -27,7 +27,8 @@ llama-cpp-python runs `--interrupt_requests False` (by default a new request cut
 
 Bounds (roofline, Williams et al. 2009), per server from its own weight format and kernel: a decode step
 of batch c costs max(weight bytes / copy bandwidth, c x 2 x matmul params FLOPs / GEMM rate of the kernel
-at M = c); a prompt of P tokens (P: the mean the client reports sending, 128 random tokens plus its cache-bust
+at M = c), the rate measured over the model's own linear shapes (one layer's and a slice of the head, in their
+proportions of a forward's FLOPs, each hot in cache: `kernel_rates`); a prompt of P tokens (P: the mean the client reports sending, 128 random tokens plus its cache-bust
 nonce) 2 x (P x the layers' matmul params + the head's) / GEMM rate at M = 128 (only the last prompt token
 needs logits), and it yields the first output token, so a request of n output tokens takes n - 1 decode
 steps; rates and bandwidth measured in this process before the servers start, with the same thread count. llama.cpp's kernels are not measured
@@ -72,30 +73,49 @@ class Server:
 
 
 # ---- measured rates ------------------------------------------------------------------------------
-def kernel_rates(ms: tuple[int, ...], k: int = 576, n: int = 1536) -> dict[str, dict[int, float]]:
-    """GFLOP/s of each kernel at [M, K] x [K, N] (SmolLM2's MLP shape), M in ms."""
+def kernel_rates(ms: tuple[int, ...], shapes: list[tuple[int, int, int]]) -> dict[str, dict[int, float]]:
+    """GFLOP/s of each kernel at M rows over the model's own linears, hot: shapes = (N, K, copies per forward
+    token) of one layer's linears (copies: the number of layers) and a slice of the head (copies: the head's
+    rows / the slice's); the rate = their FLOPs / the time of one pass, each shape timed on its own, repeated."""
     import copy
 
     from firstlight.quant import get_format
     from firstlight.quant.f32 import use_f32_kernel
 
-    lin = torch.nn.Linear(k, n, bias=False).requires_grad_(False)
-    ours = copy.deepcopy(lin)
-    use_f32_kernel(ours)  # what `firstlight serve` runs fp32 linears on (f32_mm, oneDNN above onednn_min_rows())
-    layers = {"fp32": ours, "fp32-blas": lin, **{f: get_format(f).quantize_linear(lin) for f in ("int8", "int4", "w4a8", "w8a8")}}
-    out: dict[str, dict[int, float]] = {}
+    formats = ("fp32", "fp32-blas", "int8", "int4", "w4a8", "w8a8")
+    out: dict[str, dict[int, float]] = {f: {} for f in formats}
+    flops = {m: 0.0 for m in ms}
+    secs = {f: {m: 0.0 for m in ms} for f in formats}
     with torch.inference_mode():
-        for name, layer in layers.items():
-            out[name] = {}
+        for n, k, copies in shapes:
+            lin = torch.nn.Linear(k, n, bias=False).requires_grad_(False)
+            ours = copy.deepcopy(lin)
+            use_f32_kernel(ours)  # what `firstlight serve` runs fp32 linears on (f32_mm, oneDNN above onednn_min_rows())
+            layers = {"fp32": ours, "fp32-blas": lin,
+                      **{f: get_format(f).quantize_linear(lin) for f in ("int8", "int4", "w4a8", "w8a8")}}
             for m in ms:
                 x = torch.randn(m, k)
-                calls = max(1, int(5e7 // (2 * m * k * n)))
-                def run(layer=layer, x=x, calls=calls) -> None:
-                    for _ in range(calls):
-                        layer(x)
-                run()
-                out[name][m] = 2 * m * k * n * calls / median_time(run, 5) / 1e9
+                calls = max(3, int(4e8 // (2 * m * k * n)))  # ~1 ms or more per sample: the kernel, not the call
+                flops[m] += 2 * m * k * n * copies
+                for name, layer in layers.items():
+                    def run(layer=layer, x=x, calls=calls) -> None:
+                        for _ in range(calls):
+                            layer(x)
+                    run()
+                    secs[name][m] += median_time(run, 5) / calls * copies
+    for name in formats:
+        out[name] = {m: flops[m] / secs[name][m] / 1e9 for m in ms}
     return out
+
+
+def model_shapes(model: torch.nn.Module, head_slice: int = 4096) -> list[tuple[int, int, int]]:
+    """(N, K, copies) of the model's linears for kernel_rates: the first layer's (times the number of layers)
+    and head_slice rows of the head (times its rows / head_slice: a slice that stays in cache, as the layers' do)."""
+    layers = model.layers
+    shapes = [(*m.weight.shape, len(layers)) for m in layers[0].modules() if isinstance(m, torch.nn.Linear)]
+    vocab, hidden = model.lm_head.weight.shape
+    rows = min(vocab, head_slice)
+    return [*shapes, (rows, hidden, vocab / rows)]
 
 
 def bound_tok_s(weight_bytes: int, params: int, head_params: int, bw_gbs: float, rate: dict[int, float], c: int,
@@ -298,9 +318,10 @@ def main() -> None:
     model, _ = load_model(args.tokenizer, with_tokenizer=False)
     params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     head_params = model.lm_head.weight.numel()
+    shapes = model_shapes(model)
     del model
     bw = copy_bandwidth_gbs()
-    rates = kernel_rates(tuple(sorted({1, PROMPT_LEN, *args.concurrency})))
+    rates = kernel_rates(tuple(sorted({1, PROMPT_LEN, *args.concurrency})), shapes)
     port = free_port()
     load0 = os.getloadavg()
     results, skipped = [], {}

@@ -79,9 +79,10 @@ class F32Linear(nn.Linear):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def _reordered(self) -> torch.Tensor | None:
-        """oneDNN's copy of the weight, made now if missing or stale (the weight changed in place since)."""
+        """oneDNN's copy of the weight, made now if missing or stale (the weight changed in place since; an
+        inference tensor, made under torch.inference_mode, has no version counter: only its storage is compared)."""
         w = self.weight
-        key = (w.data_ptr(), w._version)
+        key = (w.data_ptr(), -1 if w.is_inference() else w._version)
         got = _REORDERED.get(self)
         if got is None or got[0] != key:
             try:

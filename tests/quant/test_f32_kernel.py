@@ -122,6 +122,20 @@ def test_onednn_weight_follows_in_place_changes(kernel_isa, mode):  # noqa: F811
         assert lin(x).abs().max() == 0
 
 
+
+def test_a_linear_made_under_inference_mode_runs_on_onednn(kernel_isa, mode):  # noqa: F811
+    """Its weight is an inference tensor, which has no version counter (reading one raised)."""
+    mode("auto")
+    if onednn_min_rows() is None:
+        pytest.skip("this torch has no oneDNN")
+    with torch.inference_mode():
+        lin = nn.Linear(64, 32, bias=False)
+        use_f32_kernel(lin)
+        x = torch.randn(onednn_min_rows() + 8, 64)
+        got = lin(x)
+    assert lin.weight.is_inference() and lin in f32._REORDERED
+    assert torch.allclose(got, x @ lin.weight.t(), atol=1e-5)
+
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("shape", [(1, 2 * 8), (5, 2 * 13), (2, 3, 2 * 64), (300, 2 * 40)])
 def test_gated_act_equals_torch(kernel_isa, act, shape):  # noqa: F811

@@ -9,7 +9,9 @@ Seeded requests draw from their own `torch.Generator`, created on the first step
 the request ends, so a seed gives the same tokens whatever else is in the batch. Sampling is a
 categorical draw by inverse CDF (`inverse_cdf`): one uniform u per row, the first token whose cumulative
 probability (fp64) exceeds u; one random number per row, where the exponential race (argmax p / E over the
-vocabulary) drew one per token: 49,152 per row of SmolLM2 (benchmarks/sampler_speed.py).
+vocabulary) drew one per token: 49,152 per row of SmolLM2 (benchmarks/sampler_speed.py). On CPU with our
+kernel extension the same draw runs from the logits in two read-only passes per row (`firstlight::sample_rows`,
+kernels/csrc/sampling.cpp), not torch's copy, scale, max, exp, sum and searches over every row.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from firstlight import kernels
 from firstlight.engine.request import Request, SamplingParams
 
 
@@ -165,14 +168,26 @@ class Sampler:
             tokens = logits.argmax(-1)
         if rows:
             ps = [requests[i].sampling_params for i in rows]
-            e = logits[rows]  # [R, V], a copy: the in-place ops below leave `logits` alone
-            e.div_(torch.tensor([q.temperature for q in ps], dtype=e.dtype).unsqueeze(1))
-            for j, q in enumerate(ps):  # top-k / top-p / min-p rows (temperature applied again from the raw row)
-                if q.top_k > 0 or q.top_p < 1.0 or q.min_p > 0.0:
-                    e[j] = filter_logits(logits[rows[j]], q)
-            e.sub_(e.amax(-1, keepdim=True)).exp_()  # unnormalized probabilities (a filtered token: 0)
             u = torch.cat([torch.rand(1, generator=self._generator(requests[i]), dtype=torch.float64) for i in rows])
-            tokens[rows] = inverse_cdf(e, u)
+            filtered = [j for j, q in enumerate(ps) if q.top_k > 0 or q.top_p < 1.0 or q.min_p > 0.0]
+            if logits.device.type == "cpu" and logits.stride(-1) == 1 and kernels.load_kernel() is not None:
+                # one pass of ours over each row (kernels/csrc/sampling.cpp); filtered rows are drawn from their
+                # filtered copy (temperature applied there)
+                src, idx = logits, torch.tensor(rows)
+                inv_t = torch.tensor([1.0 / q.temperature for q in ps], dtype=torch.float32)
+                if filtered:
+                    src = logits.clone()
+                    for j in filtered:
+                        src[rows[j]] = filter_logits(logits[rows[j]], ps[j])
+                        inv_t[j] = 1.0
+                tokens[rows] = kernels.sample_rows(src, idx, inv_t, u)
+            else:
+                e = logits[rows]  # [R, V], a copy: the in-place ops below leave `logits` alone
+                e.div_(torch.tensor([q.temperature for q in ps], dtype=e.dtype).unsqueeze(1))
+                for j in filtered:  # top-k / top-p / min-p rows (temperature applied again from the raw row)
+                    e[j] = filter_logits(logits[rows[j]], ps[j])
+                e.sub_(e.amax(-1, keepdim=True)).exp_()  # unnormalized probabilities (a filtered token: 0)
+                tokens[rows] = inverse_cdf(e, u)
         token_list = tokens.tolist()
         lps: list[TokenLogprobs | None] = [None] * len(requests)
         if raw_logprobs is not None:

@@ -2,7 +2,8 @@
 int4_gemv.cpp (int4 and int8 weights), int4_vnni.cpp (w4a8 on its tiled layout: AVX-512 VNNI or AVX2),
 f32_gemm.cpp (fp32 weights at decode-sized batches), paged_attention.cpp (decode attention over the paged KV
 pools, and prefill attention over gathered keys), dense_decode.cpp (a dense decoder's whole decode step,
-engine/native_decode.py); firstlight_kernels.h holds what they share.
+engine/native_decode.py), sampling.cpp (the sampler's categorical draw); firstlight_kernels.h holds what they
+share.
 
 `torch.utils.cpp_extension.load` compiles them into `$FIRSTLIGHT_HOME/kernels/<name>` (-O3 -fopenmp, plus
 -mavx2 -mfma when torch reports an AVX2 CPU, and the AVX-512 VNNI flags when the CPU has them: ISA
@@ -33,7 +34,8 @@ OLD_ENV = "FIRSTLIGHT_INT4_KERNEL"  # the switch's name while the extension held
 ISA_ENV = "FIRSTLIGHT_CPU_KERNELS_ISA"  # force one of ISAS: `scalar` the portable path (its tests), `avx2` on a VNNI CPU
 MODES = ("auto", "aten", "firstlight")
 SOURCE = Path(__file__).parent / "csrc" / "int4_gemv.cpp"
-SOURCES = (SOURCE, *(SOURCE.with_name(n) for n in ("int4_vnni.cpp", "f32_gemm.cpp", "paged_attention.cpp", "dense_decode.cpp")))
+SOURCES = (SOURCE, *(SOURCE.with_name(n) for n in ("int4_vnni.cpp", "f32_gemm.cpp", "paged_attention.cpp", "dense_decode.cpp",
+                                                   "sampling.cpp")))
 ISAS = ("avx512vnni", "avx2", "scalar")
 VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")  # /proc/cpuinfo names
 VNNI_TILE = 16  # output rows per int32 register of the VNNI layout (pack_int4_vnni)
@@ -267,6 +269,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     (laid out [B, S, H, D]). mask: boolean [B, 1, S, L] or [B, S, L] (True = visible); without one, causal
     (query i sees keys j <= L - S + i) or, causal False, every key. A query that sees no key gets zeros."""
     return torch.ops.firstlight.attention(q, k, v, mask, causal, scale)
+
+
+def sample_rows(logits: torch.Tensor, rows: torch.Tensor, inv_temp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One categorical draw per selected row: logits [N, V] fp32, rows [R] int64, inv_temp [R] fp32 (1 / temperature;
+    -inf logits weigh 0), u [R] fp64 in [0, 1) -> [R] int64, the first token whose cumulative probability exceeds u
+    (engine/sampler.py inverse_cdf's draw on softmax(logits * inv_temp), without materializing it)."""
+    return torch.ops.firstlight.sample_rows(logits, rows, inv_temp, u)
 
 
 def quantize_act_int8(x: torch.Tensor) -> torch.Tensor:

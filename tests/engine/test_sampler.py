@@ -4,9 +4,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from firstlight import kernels
 from firstlight.engine.detokenizer import IncrementalDetokenizer
 from firstlight.engine.request import Request, SamplingParams
 from firstlight.engine.sampler import TOP_P_CANDIDATES, Sampler, apply_penalties, filter_logits, inverse_cdf
+
+from ..quant.test_int4_kernel import kernel_isa  # noqa: F401 - fixture
 
 V = 50
 
@@ -168,3 +171,49 @@ def test_inverse_cdf_is_a_categorical_draw(v: int) -> None:
     # u at the top of [0, 1): the last token with weight, not a zero one after it
     last = inverse_cdf(w, torch.full((2,), 1.0 - 2**-53, dtype=torch.float64))
     assert last.tolist() == [int(w[r].nonzero().max()) for r in range(2)]
+
+
+@pytest.mark.parametrize("v", [768, 700, 5])  # three blocks of 256; a partial last block; fewer than a vector
+def test_the_kernel_draw_is_the_inverse_cdf_draw(kernel_isa, v: int) -> None:  # noqa: F811
+    """firstlight::sample_rows on logits draws what inverse_cdf draws on exp(logits / T - max): the same token for
+    the same u (up to the two exps' last bit at a boundary), -inf logits never, a row's last token with weight
+    at u -> 1."""
+    torch.manual_seed(0)
+    w = torch.rand(3, v) ** 4
+    w[:, ::3] = 0.0
+    w[1, min(300, v - 1):] = 0.0  # a row whose mass ends early
+    logits = w.log()  # zero weight: -inf
+    u = torch.rand(4000, dtype=torch.float64)
+    for row, temp in ((0, 1.0), (1, 1.0), (2, 0.7)):
+        idx = torch.full((len(u),), row)
+        got = kernels.sample_rows(logits, idx, torch.full((len(u),), 1 / temp), u)
+        e = (logits[row] / temp - (logits[row] / temp).max()).exp()
+        ref = inverse_cdf(e.expand(len(u), v).contiguous(), u)
+        assert (w[row, got] > 0).all()
+        assert (got == ref).float().mean() > 0.995 and (got - ref).abs().max() <= 3
+    last = kernels.sample_rows(logits, torch.arange(3), torch.ones(3), torch.full((3,), 1.0 - 2**-53, dtype=torch.float64))
+    assert last.tolist() == [int(w[r].nonzero().max()) for r in range(3)]
+
+
+def test_the_kernel_draw_rejects_bad_rows(kernel_isa) -> None:  # noqa: F811
+    x = torch.randn(2, 10)
+    with pytest.raises(RuntimeError, match="out of"):
+        kernels.sample_rows(x, torch.tensor([2]), torch.ones(1), torch.rand(1, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="u fp64"):
+        kernels.sample_rows(x, torch.tensor([0]), torch.ones(1), torch.rand(1))
+
+
+def test_sampling_the_same_with_and_without_the_kernel(kernel_isa, monkeypatch) -> None:  # noqa: F811
+    """Seeded rows (temperature, top-k, top-p, min-p, greedy) draw the same tokens on either path."""
+    x = torch.randn(5, 3000, generator=torch.Generator().manual_seed(4)) * 4
+    params = [dict(temperature=0.8), dict(temperature=1.3, top_k=50), dict(temperature=1.0, top_p=0.9),
+              dict(temperature=0.6, min_p=0.05), dict(temperature=0.0)]
+    rows = [req(f"r{i}", seed=7 + i, **p) for i, p in enumerate(params)]
+    draws = {}
+    for mode in ("firstlight", "aten"):
+        monkeypatch.setenv(kernels.ENV, mode)
+        s = Sampler()
+        draws[mode] = [s.sample(x, rows)[0] for _ in range(40)]
+    pairs = zip(draws["firstlight"], draws["aten"], strict=True)
+    same = sum(a == b for da, db in pairs for a, b in zip(da, db, strict=True))
+    assert same >= 0.99 * 40 * len(rows)

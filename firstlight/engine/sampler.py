@@ -71,25 +71,45 @@ TOP_P_CANDIDATES = 1024  # filter_logits: top-p looks at this many most likely t
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, top-k, top-p (nucleus, Holtzman et al. 2020), min-p (Nguyen et al. 2024); [V]."""
-    logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = logits.topk(params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
+    return filter_rows(logits.unsqueeze(0), [params])[0]
+
+
+def filter_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """filter_logits of every row of logits [R, V] at once, each row with its own params (batched ops, which
+    torch runs over the rows in parallel, where a loop ran them one by one)."""
+    v, dev, ninf = logits.shape[-1], logits.device, float("-inf")
+    x = logits / torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev).unsqueeze(1)
+    ks = torch.tensor([p.top_k if 0 < p.top_k < v else v for p in params], device=dev)
+    if (ks < v).any():
+        vals = x.topk(int(ks[ks < v].max()), dim=-1).values  # [R, kmax], sorted
+        kth = vals.gather(1, (ks.clamp(max=vals.shape[1]) - 1).unsqueeze(1))
+        kth[ks == v] = ninf  # rows without top-k keep everything
+        x = x.masked_fill(x < kth, ninf)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=dev)
+    if (top_p < 1.0).any():
         # drop a token if the mass strictly before it already reaches top_p (always keeps the first). The
         # nucleus usually lies in the top 1024: then a topk (sorted) replaces the sort of the whole vocabulary
         # (49,152 entries: 3.5 ms a row); every token past those has at least their mass before it: dropped.
-        probs_all = logits.softmax(-1)
-        probs, idx = probs_all.topk(min(TOP_P_CANDIDATES, logits.shape[-1]))
-        if probs.sum() < params.top_p:
-            probs, idx = probs_all.sort(descending=True)
-        drop = (probs.cumsum(-1) - probs) >= params.top_p
-        kept = logits[idx].masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(0, idx, kept)
-    if params.min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
-    return logits
+        sel = (top_p < 1.0).nonzero().flatten()
+        probs_all = x[sel].softmax(-1)
+        probs, idx = probs_all.topk(min(TOP_P_CANDIDATES, v), dim=-1)
+        thresholds = top_p[sel].to(probs.dtype)
+        short = probs.sum(-1) < thresholds  # the nucleus reaches past the candidates: those rows sort it all
+        filtered = torch.full((len(sel), v), ninf, dtype=x.dtype, device=dev)
+        for full_sort in (False, True):
+            rows = short if full_sort else ~short
+            if not rows.any():
+                continue
+            p_s, i_s = probs_all[rows].sort(dim=-1, descending=True) if full_sort else (probs[rows], idx[rows])
+            drop = (p_s.cumsum(-1) - p_s) >= thresholds[rows].unsqueeze(1)
+            kept = x[sel[rows]].gather(1, i_s).masked_fill(drop, ninf)
+            filtered[rows] = filtered[rows].scatter(1, i_s, kept)
+        x[sel] = filtered
+    min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype, device=dev).unsqueeze(1)
+    if (min_p > 0).any():
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), ninf)
+    return x
 
 
 def inverse_cdf(weights: torch.Tensor, u: torch.Tensor, block: int = 256) -> torch.Tensor:
@@ -169,23 +189,24 @@ class Sampler:
         if rows:
             ps = [requests[i].sampling_params for i in rows]
             u = torch.cat([torch.rand(1, generator=self._generator(requests[i]), dtype=torch.float64) for i in rows])
-            filtered = [j for j, q in enumerate(ps) if q.top_k > 0 or q.top_p < 1.0 or q.min_p > 0.0]
+            # top-k / top-p / min-p rows: drawn from their filtered logits (temperature applied there)
+            filt = [j for j, q in enumerate(ps) if q.top_k > 0 or q.top_p < 1.0 or q.min_p > 0.0]
+            plain = sorted(set(range(len(ps))) - set(filt))
+            f_logits = filter_rows(logits[[rows[j] for j in filt]], [ps[j] for j in filt]) if filt else None
             if logits.device.type == "cpu" and logits.stride(-1) == 1 and kernels.load_kernel() is not None:
-                # one pass of ours over each row (kernels/csrc/sampling.cpp); filtered rows are drawn from their
-                # filtered copy (temperature applied there)
-                src, idx = logits, torch.tensor(rows)
-                inv_t = torch.tensor([1.0 / q.temperature for q in ps], dtype=torch.float32)
-                if filtered:
-                    src = logits.clone()
-                    for j in filtered:
-                        src[rows[j]] = filter_logits(logits[rows[j]], ps[j])
-                        inv_t[j] = 1.0
-                tokens[rows] = kernels.sample_rows(src, idx, inv_t, u)
+                # one pass of ours over each row, from the logits in place (kernels/csrc/sampling.cpp)
+                if plain:
+                    tokens[[rows[j] for j in plain]] = kernels.sample_rows(
+                        logits, torch.tensor([rows[j] for j in plain]),
+                        torch.tensor([1.0 / ps[j].temperature for j in plain], dtype=torch.float32), u[plain])
+                if filt:
+                    tokens[[rows[j] for j in filt]] = kernels.sample_rows(
+                        f_logits, torch.arange(len(filt)), torch.ones(len(filt)), u[filt])
             else:
                 e = logits[rows]  # [R, V], a copy: the in-place ops below leave `logits` alone
                 e.div_(torch.tensor([q.temperature for q in ps], dtype=e.dtype).unsqueeze(1))
-                for j in filtered:  # top-k / top-p / min-p rows (temperature applied again from the raw row)
-                    e[j] = filter_logits(logits[rows[j]], ps[j])
+                if filt:
+                    e[filt] = f_logits
                 e.sub_(e.amax(-1, keepdim=True)).exp_()  # unnormalized probabilities (a filtered token: 0)
                 tokens[rows] = inverse_cdf(e, u)
         token_list = tokens.tolist()

@@ -7,7 +7,14 @@ from pydantic import ValidationError
 from firstlight import kernels
 from firstlight.engine.detokenizer import IncrementalDetokenizer
 from firstlight.engine.request import Request, SamplingParams
-from firstlight.engine.sampler import TOP_P_CANDIDATES, Sampler, apply_penalties, filter_logits, inverse_cdf
+from firstlight.engine.sampler import (
+    TOP_P_CANDIDATES,
+    Sampler,
+    apply_penalties,
+    filter_logits,
+    filter_rows,
+    inverse_cdf,
+)
 
 from ..quant.test_int4_kernel import kernel_isa  # noqa: F401 - fixture
 
@@ -153,6 +160,28 @@ def test_top_p_over_a_large_vocabulary_matches_the_full_sort(scale: float) -> No
     for top_p in (0.5, 0.9, 0.99):
         kept = filter_logits(x, SamplingParams(top_p=top_p)).isfinite()
         assert kept.tolist() == _top_p_by_full_sort(x, top_p).tolist()
+
+
+def test_filters_of_a_batch_are_each_rows_own() -> None:
+    """filter_rows over rows with different filters (top-k, top-p with the nucleus inside the candidates and past
+    them, both, min-p, none) keeps in each row what that row's filters keep on their own."""
+    torch.manual_seed(5)
+    v = 4 * TOP_P_CANDIDATES
+    x = torch.randn(6, v) * torch.tensor([[8.0], [0.01], [8.0], [3.0], [1.0], [0.01]])
+    params = [SamplingParams(top_k=7, temperature=0.9), SamplingParams(top_p=0.9), SamplingParams(top_p=0.5),
+              SamplingParams(top_k=40, top_p=0.8, temperature=1.2), SamplingParams(min_p=0.2),
+              SamplingParams(temperature=0.5)]
+    got = filter_rows(x, params)
+    assert torch.equal(got[5], x[5] / 0.5)
+    assert set(got[0].isfinite().nonzero().flatten().tolist()) == set(x[0].topk(7).indices.tolist())
+    assert got[1].isfinite().tolist() == _top_p_by_full_sort(x[1], 0.9).tolist()  # past the 1,024 candidates
+    assert got[2].isfinite().tolist() == _top_p_by_full_sort(x[2], 0.5).tolist()
+    top40 = (x[3] / 1.2).masked_fill(x[3] < x[3].topk(40).values[-1], float("-inf"))
+    assert got[3].isfinite().tolist() == _top_p_by_full_sort(top40, 0.8).tolist()
+    p = x[4].softmax(-1)
+    assert got[4].isfinite().tolist() == (p >= 0.2 * p.max()).tolist()
+    for i in range(6):  # kept logits keep their (tempered) values; one row alone filters the same
+        assert torch.equal(got[i], filter_logits(x[i], params[i]))
 
 
 @pytest.mark.parametrize("v", [768, 700])  # three blocks of 256; not a multiple of 256: one block

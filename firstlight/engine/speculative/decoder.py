@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from firstlight.engine.request import Request
-from firstlight.engine.sampler import Sampler, filter_logits
+from firstlight.engine.sampler import Sampler, filter_rows
 from firstlight.engine.speculative.adaptive import Acceptance, best_k, measure_pass_costs
 from firstlight.engine.speculative.base import SpecRequest
 from firstlight.engine.speculative.config import SpecConfig
@@ -135,7 +135,7 @@ class SpecDecoder:
             if params.is_greedy:
                 probs[i, : k + 1] = logits.softmax(-1)
             else:
-                probs[i, : k + 1] = torch.stack([filter_logits(row, params).softmax(-1) for row in logits])
+                probs[i, : k + 1] = filter_rows(logits, [params] * len(logits)).softmax(-1)
             draft_ids[i, :k] = torch.tensor(req.spec_token_ids[:k], dtype=torch.long)
             if draft_probs is not None:
                 q = qs[i]

@@ -17,7 +17,7 @@ from _common import median_time
 
 from firstlight import kernels
 from firstlight.engine.request import Request, SamplingParams
-from firstlight.engine.sampler import Sampler, filter_logits
+from firstlight.engine.sampler import Sampler, filter_logits, filter_rows
 
 
 def exponential_race(sampler: Sampler, logits: torch.Tensor, requests: list[Request]) -> list[int]:
@@ -60,6 +60,16 @@ def main() -> None:
             bound = median_time(lambda: logits.softmax(-1), args.repeats)  # noqa: B023
             print(f"{label:>24} {n:>5} {ours * 1e3:>7.2f} {torch_path * 1e3:>15.2f} {race * 1e3:>10.2f} "
                   f"{torch_path / ours:>14.1f}x {bound * 1e3:>13.2f}")
+
+    # the filters: all rows of a step at once (filter_rows) vs row by row (filter_logits, its one-row case)
+    n = max(int(r) for r in args.rows.split(","))
+    params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95)
+    print(f"\ntop-p 0.95 filter over {n} rows, ms: {'rows':>16} {'row by row':>11} {'batched':>8}")
+    for label, scale in (("peaked (randn x 8)", 8.0), ("flat (randn x 0.01)", 0.01)):
+        x = torch.randn(n, args.vocab, generator=torch.Generator().manual_seed(1)) * scale
+        loop = median_time(lambda: [filter_logits(x[i], params) for i in range(n)], args.repeats)  # noqa: B023
+        batched = median_time(lambda: filter_rows(x, [params] * n), args.repeats)  # noqa: B023
+        print(f"{'':>34} {label:>16} {loop * 1e3:>11.2f} {batched * 1e3:>8.2f}")
 
 
 if __name__ == "__main__":

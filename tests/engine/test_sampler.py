@@ -153,10 +153,11 @@ def _top_p_by_full_sort(x: torch.Tensor, top_p: float) -> torch.Tensor:
     return keep
 
 
-@pytest.mark.parametrize("scale", [8.0, 0.01])  # a peaked row (nucleus in the top 1024) and a flat one (it is not)
+# peaked rows (the nucleus in the top 64 or 1024) and flatter ones (past them: the full sort)
+@pytest.mark.parametrize("scale", [8.0, 2.0, 1.0, 0.01])
 def test_top_p_over_a_large_vocabulary_matches_the_full_sort(scale: float) -> None:
     torch.manual_seed(3)
-    x = torch.randn(4 * TOP_P_CANDIDATES) * scale
+    x = torch.randn(4 * TOP_P_CANDIDATES[-1]) * scale
     for top_p in (0.5, 0.9, 0.99):
         kept = filter_logits(x, SamplingParams(top_p=top_p)).isfinite()
         assert kept.tolist() == _top_p_by_full_sort(x, top_p).tolist()
@@ -166,7 +167,7 @@ def test_filters_of_a_batch_are_each_rows_own() -> None:
     """filter_rows over rows with different filters (top-k, top-p with the nucleus inside the candidates and past
     them, both, min-p, none) keeps in each row what that row's filters keep on their own."""
     torch.manual_seed(5)
-    v = 4 * TOP_P_CANDIDATES
+    v = 4 * TOP_P_CANDIDATES[-1]
     x = torch.randn(6, v) * torch.tensor([[8.0], [0.01], [8.0], [3.0], [1.0], [0.01]])
     params = [SamplingParams(top_k=7, temperature=0.9), SamplingParams(top_p=0.9), SamplingParams(top_p=0.5),
               SamplingParams(top_k=40, top_p=0.8, temperature=1.2), SamplingParams(min_p=0.2),

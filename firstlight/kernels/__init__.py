@@ -152,6 +152,10 @@ def _register_fakes() -> None:
         b, h, s, d = q.shape
         return q.new_empty((b, s, h, d)).permute(0, 2, 1, 3)
 
+    @torch.library.register_fake("firstlight::sample_rows")
+    def _(logits, rows, inv_temp, u):  # noqa: ANN001, ANN202
+        return rows.new_empty(rows.shape)
+
     @torch.library.register_fake("firstlight::int4_dequant")
     def _(packed, scales, mins, group_size):  # noqa: ANN001, ANN202
         if packed.dim() == 3:

@@ -1,5 +1,6 @@
-// firstlight paged decode attention for CPU: one query token per row attends to its keys where they lie
-// in the paged pools, without gathering them first.
+// firstlight attention kernels for CPU. First, paged decode attention: one query token per row attends to its
+// keys where they lie in the paged pools, without gathering them first (below; prefill attention over gathered
+// keys, `attention`, is the second half of this file).
 //
 //   out[b, h] = sum_l p[l] v[slot(b, l), h / G],  p = softmax_l(scale * q[b, h] . k[slot(b, l), h / G])
 //   over the keys l with mask[b, l] (all of them without a mask), G = H / Hkv query heads per KV head.
@@ -223,12 +224,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
 //   queries being the last S of the L keys' positions).
 //
 // What SDPA's CPU flash kernel does, for the shapes prefill has here (S and L of tens to thousands, D = 64,
-// GQA), at 3-4x its speed (benchmarks/prefill_attention.py): per (row, KV head, block of query positions) the
+// GQA), at 1.4-3.3x its speed (benchmarks/prefill_attention.py): per (row, KV head, block of query positions) the
 // visible keys are packed transposed once ([D][keys]), then micro-tiles of R query rows (the G heads of
 // neighbouring positions, which see almost the same keys) get their scores as a small GEMM in registers
 // (R rows x C vectors of keys, a broadcast of q per step of d), a softmax per row, and P x V in registers
-// (R rows x a tile of D). Scores past a row's last visible key are computed (at most one key tile) and
-// dropped by the softmax. A query that sees no key gets zeros.
+// (R rows x a tile of D). Scores past a row's last visible key are computed (up to the micro-tile's last one,
+// rounded up to a vector) and dropped by the softmax. A query that sees no key gets zeros.
 namespace {
 
 constexpr int kRows = 6;  // query rows per micro-tile

@@ -27,13 +27,14 @@ llama-cpp-python runs `--interrupt_requests False` (by default a new request cut
 
 Bounds (roofline, Williams et al. 2009), per server from its own weight format and kernel: a decode step
 of batch c costs max(weight bytes / copy bandwidth, c x 2 x matmul params FLOPs / GEMM rate of the kernel
-at M = c), the rate measured over the model's own linear shapes (one layer's and a slice of the head, in their
-proportions of a forward's FLOPs, each hot in cache: `kernel_rates`); a prompt of P tokens (P: the mean the client reports sending, 128 random tokens plus its cache-bust
-nonce) 2 x (P x the layers' matmul params + the head's) / GEMM rate at M = 128 (only the last prompt token
-needs logits), and it yields the first output token, so a request of n output tokens takes n - 1 decode
-steps; rates and bandwidth measured in this process before the servers start, with the same thread count. llama.cpp's kernels are not measured
-here: its bound uses the GGUF's bytes and our w4a8 GEMM rate (the Q4_1 x Q8_1 dot products it runs are
-w4a8's int4 x int8 multiply-adds).
+at M = c), the rate measured over the model's own linear shapes (one layer's and a slice of the head, in
+their proportions of a forward's FLOPs, each hot in cache: `kernel_rates`); a prompt of P tokens (P: the
+mean the client reports sending, 128 random tokens plus its cache-bust nonce) costs 2 x (P x the layers'
+matmul params + the head's) / GEMM rate at M = 128 (only the last prompt token needs logits) and yields the
+first output token, so a request of n output tokens takes n - 1 decode steps. Rates and bandwidth are
+measured in this process before the servers start, with the same thread count. llama.cpp's kernels are not
+measured here: its bound uses the GGUF's bytes and our w4a8 GEMM rate (the Q4_1 x Q8_1 dot products it runs
+are w4a8's int4 x int8 multiply-adds).
 """
 
 from __future__ import annotations
@@ -83,7 +84,6 @@ def kernel_rates(ms: tuple[int, ...], shapes: list[tuple[int, int, int]]) -> dic
     from firstlight.quant.f32 import use_f32_kernel
 
     formats = ("fp32", "fp32-blas", "int8", "int4", "w4a8", "w8a8")
-    out: dict[str, dict[int, float]] = {f: {} for f in formats}
     flops = {m: 0.0 for m in ms}
     secs = {f: {m: 0.0 for m in ms} for f in formats}
     with torch.inference_mode():
@@ -103,9 +103,7 @@ def kernel_rates(ms: tuple[int, ...], shapes: list[tuple[int, int, int]]) -> dic
                             layer(x)
                     run()
                     secs[name][m] += median_time(run, 5) / calls * copies
-    for name in formats:
-        out[name] = {m: flops[m] / secs[name][m] / 1e9 for m in ms}
-    return out
+    return {name: {m: flops[m] / secs[name][m] / 1e9 for m in ms} for name in formats}
 
 
 def model_shapes(model: torch.nn.Module, head_slice: int = 4096) -> list[tuple[int, int, int]]:
@@ -342,8 +340,8 @@ def main() -> None:
         (out / "servers.json").write_text(json.dumps({"results": results, "skipped": skipped}, indent=1))
     load1 = os.getloadavg()
     summary = {"model": args.model, "threads": args.threads, "copy_bandwidth_gbs": bw, "gemm_gflops": rates,
-               "matmul_params": params, "head_params": head_params, "load_average": [load0, load1], "results": results, "skipped": skipped,
-               "slo": args.slo}
+               "matmul_params": params, "head_params": head_params, "load_average": [load0, load1], "results": results,
+               "skipped": skipped, "slo": args.slo}
     (out / "servers.json").write_text(json.dumps(summary, indent=1))
     print_tables(summary, args)
 

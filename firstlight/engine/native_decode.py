@@ -44,7 +44,7 @@ def _linear(module: nn.Module) -> tuple[int, int, list[torch.Tensor]] | str:
         w = module.weight
         if w.dtype != torch.float32 or not w.is_contiguous():
             return f"{type(module).__name__} weight is {w.dtype}, not contiguous fp32"
-        reordered = module._reordered() if type(module) is F32Linear and onednn_min_rows() is not None else None
+        reordered = module.reordered() if type(module) is F32Linear and onednn_min_rows() is not None else None
         return F32, 0, [w.detach(), _NONE if reordered is None else reordered, _NONE, bias]
     if type(module) is Int4WeightOnlyLinear and module.ours:
         kind = INT4_A8 if module.activations == "int8" else INT4

@@ -67,7 +67,7 @@ class F32Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)  # the op has no backward: autograd keeps torch's
         x2 = x.reshape(-1, x.shape[-1])
         min_rows = None if torch.compiler.is_compiling() else onednn_min_rows()
-        packed = self._reordered() if min_rows is not None and x2.shape[0] > min_rows else None
+        packed = self.reordered() if min_rows is not None and x2.shape[0] > min_rows else None
         y = None
         if packed is not None:
             try:
@@ -78,7 +78,7 @@ class F32Linear(nn.Linear):
             y = kernels.f32_mm(x2, self.weight, self.bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
-    def _reordered(self) -> torch.Tensor | None:
+    def reordered(self) -> torch.Tensor | None:
         """oneDNN's copy of the weight, made now if missing or stale (the weight changed in place since; an
         inference tensor, made under torch.inference_mode, has no version counter: only its storage is compared)."""
         w = self.weight

@@ -31,7 +31,10 @@ at M = c), the rate measured over the model's own linear shapes (one layer's and
 their proportions of a forward's FLOPs, each hot in cache: `kernel_rates`); a prompt of P tokens (P: the
 mean the client reports sending, 128 random tokens plus its cache-bust nonce) costs 2 x (P x the layers'
 matmul params + the head's) / GEMM rate at M = 128 (only the last prompt token needs logits) and yields the
-first output token, so a request of n output tokens takes n - 1 decode steps. Rates and bandwidth are
+first output token, so a request of n output tokens takes n - 1 decode steps. Attention is work too: its
+FLOPs (4 x heads x head dim per query per visible key and layer: q.k and p.v) go with the matmuls' at the same
+GEMM rate, and a decode step also reads every row's K and V (the server's KV element size: fp32 for ours and
+transformers', f16 for llama.cpp), each key counted up to the layer's window. Rates and bandwidth are
 measured in this process before the servers start, with the same thread count. llama.cpp's kernels are not
 measured here: its bound uses the GGUF's bytes and our w4a8 GEMM rate (the Q4_1 x Q8_1 dot products it runs
 are w4a8's int4 x int8 multiply-adds).
@@ -40,6 +43,7 @@ are w4a8's int4 x int8 multiply-adds).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -51,9 +55,13 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from _common import copy_bandwidth_gbs, median_time
+
+if TYPE_CHECKING:
+    from firstlight.models.config import ModelConfig
 
 PY = sys.executable
 PROMPT_LEN, CLOSED_OUT, SINGLE_OUT = 128, 32, 128
@@ -71,6 +79,36 @@ class Server:
     env: dict = field(default_factory=dict)
     missing: str | None = None  # why it cannot run here
     workloads: tuple[str, ...] | None = None  # None: all that were asked for
+    kv_bytes: int = 4  # bytes per cached K or V element
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What a model's attention reads and computes per query: heads, KV heads, head dim, and the window of each
+    layer (None: every earlier key)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    windows: tuple[int | None, ...]
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> AttentionShape:
+        return cls(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, tuple(
+            cfg.sliding_window if t == "sliding_attention" else None for t in cfg.layer_types
+            if t in ("full_attention", "sliding_attention")))
+
+    def keys(self, context: float) -> float:
+        """Keys one query sees, summed over the layers, at `context` tokens (its own included)."""
+        return sum(context if w is None else min(context, w) for w in self.windows)
+
+    def flops(self, context: float) -> float:
+        """q.k and p.v FLOPs of one query at `context` tokens, all layers."""
+        return 4 * self.heads * self.head_dim * self.keys(context)
+
+    def kv_bytes(self, context: float, elem_bytes: int) -> float:
+        """K and V bytes one decode query reads at `context` tokens, all layers."""
+        return 2 * self.kv_heads * self.head_dim * elem_bytes * self.keys(context)
 
 
 # ---- measured rates ------------------------------------------------------------------------------
@@ -116,12 +154,24 @@ def model_shapes(model: torch.nn.Module, head_slice: int = 4096) -> list[tuple[i
     return [*shapes, (rows, hidden, vocab / rows)]
 
 
+def step_s(weight_bytes: int, params: int, bw_gbs: float, rate: dict[int, float], c: int, context: float,
+           attn: AttentionShape | None = None, kv_bytes: int = 4) -> float:
+    """The least time of a decode step of c rows whose queries see `context` keys (attn None: the matmuls alone,
+    as summaries recorded before attention was counted)."""
+    kv, flops = (attn.kv_bytes(context, kv_bytes), attn.flops(context)) if attn else (0.0, 0.0)
+    return max((weight_bytes + c * kv) / (bw_gbs * 1e9), c * (2 * params + flops) / (rate[c] * 1e9))
+
+
 def bound_tok_s(weight_bytes: int, params: int, head_params: int, bw_gbs: float, rate: dict[int, float], c: int,
-                output_len: int, prompt_len: float = PROMPT_LEN) -> float:
+                output_len: int, prompt_len: float = PROMPT_LEN, attn: AttentionShape | None = None,
+                kv_bytes: int = 4) -> float:
     """Output tok/s of a closed loop of c requests (prompt, output_len) no server can beat here."""
-    step_s = max(weight_bytes / (bw_gbs * 1e9), c * 2 * params / (rate[c] * 1e9))
-    prefill_s = 2 * (prompt_len * (params - head_params) + head_params) / (rate[PROMPT_LEN] * 1e9)  # per request
-    return c * output_len / ((output_len - 1) * step_s + c * prefill_s)
+    p = round(prompt_len)
+    attn_flops = sum(attn.flops(i) for i in range(1, p + 1)) if attn else 0.0  # the causal prompt
+    prefill_s = (2 * (prompt_len * (params - head_params) + head_params) + attn_flops) / (rate[PROMPT_LEN] * 1e9)
+    decode_s = sum(step_s(weight_bytes, params, bw_gbs, rate, c, p + j, attn, kv_bytes)
+                   for j in range(1, output_len))  # step j: each row's query sees p + j keys
+    return c * output_len / (decode_s + c * prefill_s)
 
 
 # ---- the servers ---------------------------------------------------------------------------------
@@ -166,7 +216,7 @@ def servers(args: argparse.Namespace, port: int) -> list[Server]:
                               "--port", str(port), "--n_threads", str(args.threads), "--n_threads_batch",
                               str(args.threads), "--n_ctx", "4096", "--model_alias", args.model,
                               "--interrupt_requests", "False"],  # default: a new request cuts the running stream
-                args.model, "w4a8", 0, length_by="min_tokens")
+                args.model, "w4a8", 0, length_by="min_tokens", kv_bytes=2)  # its KV cache: f16
     if importlib.util.find_spec("llama_cpp") is None:
         ll.missing = "llama-cpp-python is not installed (make bench-peers builds it)"
     elif gguf is None:
@@ -316,6 +366,7 @@ def main() -> None:
     model, _ = load_model(args.tokenizer, with_tokenizer=False)
     params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     head_params = model.lm_head.weight.numel()
+    attn = AttentionShape.of(model.config)
     shapes = model_shapes(model)
     del model
     bw = copy_bandwidth_gbs()
@@ -335,12 +386,12 @@ def main() -> None:
             skipped[server.name] = str(e)
             print(f"  failed: {e}", flush=True)
             continue
-        r["kernel"], r["weight_bytes"] = server.kernel, server.weight_bytes
+        r["kernel"], r["weight_bytes"], r["kv_bytes"] = server.kernel, server.weight_bytes, server.kv_bytes
         results.append(r)
         (out / "servers.json").write_text(json.dumps({"results": results, "skipped": skipped}, indent=1))
     load1 = os.getloadavg()
     summary = {"model": args.model, "threads": args.threads, "copy_bandwidth_gbs": bw, "gemm_gflops": rates,
-               "matmul_params": params, "head_params": head_params, "load_average": [load0, load1], "results": results,
+               "matmul_params": params, "head_params": head_params, "attention": dataclasses.asdict(attn), "load_average": [load0, load1], "results": results,
                "skipped": skipped, "slo": args.slo}
     (out / "servers.json").write_text(json.dumps(summary, indent=1))
     print_tables(summary, args)
@@ -349,6 +400,7 @@ def main() -> None:
 def print_tables(s: dict, args: argparse.Namespace) -> None:
     bw, rates, params = s["copy_bandwidth_gbs"], s["gemm_gflops"], s["matmul_params"]
     head = s.get("head_params", 0)  # runs before it was recorded: logits of every prompt token
+    attn = AttentionShape(**{**s["attention"], "windows": tuple(s["attention"]["windows"])}) if "attention" in s else None
     la = s["load_average"]
     print(f"\n{s['model']}, {s['threads']} threads; copy bandwidth {bw:.1f} GB/s; GEMM GFLOP/s at M=1/"
           f"{'/'.join(str(c) for c in args.concurrency)}/128: " + "; ".join(
@@ -362,13 +414,16 @@ def print_tables(s: dict, args: argparse.Namespace) -> None:
         wb = r["weight_bytes"]
         single = r.get("single", {})
         dec = single.get("tokens_per_s_per_user")
-        dec_bound = 1 / max(wb / (bw * 1e9), 2 * params / (rate[1] * 1e9))
+        kvb = r.get("kv_bytes", 4)
+        sent = round((single.get("input_tokens") or {}).get("mean") or PROMPT_LEN)
+        dec_bound = (SINGLE_OUT - 1) / sum(step_s(wb, params, bw, rate, 1, sent + j, attn, kvb)
+                                           for j in range(1, SINGLE_OUT))
         cells = []
         outs = []
         for c in args.concurrency:
             m = r.get(f"c{c}", {})
             sent = (m.get("input_tokens") or {}).get("mean") or PROMPT_LEN
-            bound = bound_tok_s(wb, params, head, bw, rate, c, CLOSED_OUT, sent)
+            bound = bound_tok_s(wb, params, head, bw, rate, c, CLOSED_OUT, sent, attn, kvb)
             cells.append(f"{fmt(m.get('output_throughput'))} ({bound:.0f})")
             outs.append(fmt((m.get("output_tokens") or {}).get("mean"), 0))
         ttft = (single.get("ttft_ms") or {}).get("median")

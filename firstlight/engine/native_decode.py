@@ -25,7 +25,14 @@ from firstlight import kernels
 from firstlight.models.dense import DecoderLayer, DenseDecoder
 from firstlight.models.gemma3 import Gemma3, Gemma3Layer
 from firstlight.models.layers import Attention, CausalLM, GatedMLP, GemmaRMSNorm, RMSNorm
-from firstlight.quant.f32 import F32Linear, FusedGatedMLP, onednn_min_rows
+from firstlight.quant.f32 import (
+    F32Linear,
+    FusedGatedMLP,
+    FusedGemmaRMSNorm,
+    FusedRMSNorm,
+    KernelAttention,
+    onednn_min_rows,
+)
 from firstlight.quant.int4 import Int4WeightOnlyLinear
 from firstlight.quant.int8 import Int8WeightOnlyLinear
 
@@ -59,10 +66,11 @@ def _norm(module: nn.Module | None) -> torch.Tensor | str:
     """The w of w * (x / rms(x)): RMSNorm's weight (shared), GemmaRMSNorm's 1 + weight (a copy, fp32 as it computes)."""
     if module is None:
         return _NONE
-    if type(module) not in (RMSNorm, GemmaRMSNorm) or module.weight.dtype != torch.float32:
+    gemma = type(module) in (GemmaRMSNorm, FusedGemmaRMSNorm)
+    if not (gemma or type(module) in (RMSNorm, FusedRMSNorm)) or module.weight.dtype != torch.float32:
         return f"a {type(module).__name__} norm"
     w = module.weight.detach()
-    return (1.0 + w) if type(module) is GemmaRMSNorm else w.contiguous()
+    return (1.0 + w) if gemma else w.contiguous()
 
 
 def _layer_norms(layer: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module | None, nn.Module | None] | None:
@@ -111,7 +119,7 @@ class NativeDecode:
         scales = set()
         for i, layer in enumerate(model.layers):
             attn, mlp, norms = getattr(layer, "self_attn", None), getattr(layer, "mlp", None), _layer_norms(layer)
-            if norms is None or type(attn) is not Attention or type(mlp) not in (GatedMLP, FusedGatedMLP):
+            if norms is None or type(attn) not in (Attention, KernelAttention) or type(mlp) not in (GatedMLP, FusedGatedMLP):
                 return None, f"layer {i} is a {type(layer).__name__}"
             if attn.output_gate or mlp.intermediate != cfg.intermediate_size:
                 return None, f"layer {i}: gated attention output or its own MLP width"

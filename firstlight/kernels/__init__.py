@@ -2,7 +2,7 @@
 int4_gemv.cpp (int4 and int8 weights), int4_vnni.cpp (w4a8 on its tiled layout: AVX-512 VNNI or AVX2),
 f32_gemm.cpp (fp32 weights at decode-sized batches), paged_attention.cpp (decode attention over the paged KV
 pools, and prefill attention over gathered keys), dense_decode.cpp (a dense decoder's whole decode step,
-engine/native_decode.py), sampling.cpp (the sampler's categorical draw); firstlight_kernels.h holds what they
+engine/native_decode.py, and the one-pass norm, rope and gated activation a prefill runs), sampling.cpp (the sampler's categorical draw); firstlight_kernels.h holds what they
 share.
 
 `torch.utils.cpp_extension.load` compiles them into `$FIRSTLIGHT_HOME/kernels/<name>` (-O3 -fopenmp, plus
@@ -143,6 +143,15 @@ def _register_fakes() -> None:
     def _(gate_up, act):  # noqa: ANN001, ANN202
         return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
 
+    @torch.library.register_fake("firstlight::rms_norm")
+    def _(x, w, eps):  # noqa: ANN001, ANN202
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("firstlight::rope")
+    def _(x, cos, sin):  # noqa: ANN001, ANN202
+        b, h, s, d = x.shape
+        return x.new_empty((b, s, h, d)).permute(0, 2, 1, 3)
+
     @torch.library.register_fake("firstlight::paged_decode_attention")
     def _(q, k_pool, v_pool, slots, mask, scale):  # noqa: ANN001, ANN202
         return q.new_empty(q.shape)
@@ -258,6 +267,17 @@ GATED_ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}  # dense_decode.cpp Act
 def gated_act(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     """act(gate) * up of gate_up [..., 2I] (gate first) -> [..., I] fp32, in one pass; act in GATED_ACTS."""
     return torch.ops.firstlight.gated_act(gate_up, GATED_ACTS[act])
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """w * (x / sqrt(mean(x^2) + eps)) over the last dim of fp32 x [..., E], w [E] (models/layers.py RMSNorm)."""
+    return torch.ops.firstlight.rms_norm(x, w, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """models/layers.py apply_rope of fp32 x [B, H, S, D] with cos, sin [B or 1, 1, S, Dr] -> [B, H, S, D] (laid
+    out [B, S, H, D])."""
+    return torch.ops.firstlight.rope(x, cos, sin)
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,

@@ -223,7 +223,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         # a cache that attends itself (the engine's: over its own storage, on its kernels; engine/runner.py attend)
         attend = getattr(cache, "attend", None)
         out = attend(self.layer, q, k, v, mask, self.scale) if attend is not None else None
@@ -238,6 +238,10 @@ class Attention(nn.Module):
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """apply_rope to q or k [B, H, S, D] (a method: quant/f32.py's KernelAttention runs it on a kernel)."""
+        return apply_rope(x, cos, sin)
 
 
 class GatedMLP(nn.Module):

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from firstlight import kernels
-from firstlight.models.layers import ACTIVATIONS, GatedMLP
+from firstlight.models.layers import ACTIVATIONS, Attention, GatedMLP, GemmaRMSNorm, RMSNorm
 
 _state: dict[str, int | None] = {}
 # F32Linear -> ((weight data_ptr, version), oneDNN's reordered copy): outside the module, so state_dict, .to(),
@@ -107,10 +107,48 @@ class FusedGatedMLP(GatedMLP):
         return self.down_proj(kernels.gated_act(h, self.act_name))
 
 
+def _eager_cpu_f32(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
+    """True where a glue kernel applies: fp32 on CPU, eager (a compiled graph fuses its own), no autograd."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad))))
+
+
+class FusedRMSNorm(RMSNorm):
+    """RMSNorm in one pass per row (firstlight::rms_norm) where it applies: at a 2,048-token prefill step torch's
+    five elementwise passes and four tensors per norm, 60 norms per step for SmolLM2."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _eager_cpu_f32(x, self.weight) or self.weight.dtype != torch.float32:
+            return super().forward(x)
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+
+class FusedGemmaRMSNorm(GemmaRMSNorm):
+    """GemmaRMSNorm, (1 + w) * (x / rms(x)), as FusedRMSNorm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _eager_cpu_f32(x, self.weight) or self.weight.dtype != torch.float32:
+            return super().forward(x)
+        return kernels.rms_norm(x, 1.0 + self.weight, self.eps)
+
+
+class KernelAttention(Attention):
+    """Attention whose rotary embedding is one pass (firstlight::rope) where it applies."""
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if not _eager_cpu_f32(x) or cos.dtype != torch.float32 or cos.dim() != 4:
+            return super().rotate(x, cos, sin)
+        return kernels.rope(x, cos, sin)
+
+
+_GLUE = {RMSNorm: FusedRMSNorm, GemmaRMSNorm: FusedGemmaRMSNorm, Attention: KernelAttention}
+
+
 def use_f32_kernel(model: nn.Module) -> int:
-    """Route every plain fp32 nn.Linear of a CPU model through firstlight::f32_mm (and oneDNN, F32Linear), and
-    every GatedMLP with a silu or tanh-GELU gate through firstlight::gated_act (fp32 CPU activations; whatever
-    format its linears are in); returns how many linears.
+    """Route every plain fp32 nn.Linear of a CPU model through firstlight::f32_mm (and oneDNN, F32Linear), every
+    GatedMLP with a silu or tanh-GELU gate through firstlight::gated_act (fp32 CPU activations; whatever format its
+    linears are in), and its RMSNorms and attention's rope through firstlight::rms_norm and rope (fp32 CPU, eager,
+    without autograd; otherwise each falls back to its module's own forward); returns how many linears.
 
     Nothing changes (0) when the extension is not in use (FIRSTLIGHT_CPU_KERNELS=aten, or a failed build in
     mode auto, which warns once).
@@ -128,4 +166,6 @@ def use_f32_kernel(model: nn.Module) -> int:
         if type(module) is GatedMLP and act is not None:  # whatever its linears' format: it acts on their output
             module.__class__ = FusedGatedMLP
             module.act_name = act
+        elif type(module) in _GLUE:
+            module.__class__ = _GLUE[type(module)]
     return swapped

@@ -1,8 +1,9 @@
 """firstlight::f32_mm (kernels/csrc/f32_gemm.cpp): x @ w^T + bias in fp32 for every row count (tiles of 1-3
 rows x 4 output rows, the tails of N and K, the BLAS above the row limit), F32Linear as a drop-in nn.Linear
 (same parameters, tied head stays tied), oneDNN's matmul on a reordered weight above its row limit (remade
-when the weight changes in place), firstlight::gated_act for GatedMLP's act(gate) * up, off with the aten switch (one node under torch.compile: in
-test_int4_kernel.py with the other ops)."""
+when the weight changes in place), firstlight::gated_act for GatedMLP's act(gate) * up, firstlight::rms_norm and
+rope for the norms and the attention's rotary embedding, off with the aten switch (one node under torch.compile:
+in test_int4_kernel.py with the other ops)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,27 @@ import torch
 from torch import nn
 
 from firstlight import kernels
-from firstlight.models.layers import ACTIVATIONS, GatedMLP
+from firstlight.models.layers import (
+    ACTIVATIONS,
+    Attention,
+    GatedMLP,
+    GemmaRMSNorm,
+    RMSNorm,
+    apply_rope,
+    rope_cos_sin,
+)
 from firstlight.models.loader import load_model
 from firstlight.models.tiny import write_tiny_checkpoint
 from firstlight.quant import f32
-from firstlight.quant.f32 import F32Linear, FusedGatedMLP, onednn_min_rows, use_f32_kernel
+from firstlight.quant.f32 import (
+    F32Linear,
+    FusedGatedMLP,
+    FusedGemmaRMSNorm,
+    FusedRMSNorm,
+    KernelAttention,
+    onednn_min_rows,
+    use_f32_kernel,
+)
 
 from .test_int4_kernel import kernel_isa, mode  # noqa: F401 - fixtures
 
@@ -149,6 +166,66 @@ def test_gated_act_equals_torch(kernel_isa, act, shape):  # noqa: F811
     assert torch.equal(kernels.gated_act(gu.mT.contiguous().mT, act), got)  # any layout in
     with pytest.raises(RuntimeError, match="fp32"):
         torch.ops.firstlight.gated_act(gu[..., :-1], 0)  # an odd width
+
+
+@pytest.mark.parametrize("norm_cls", [RMSNorm, GemmaRMSNorm])
+@pytest.mark.parametrize("shape", [(1, 8), (3, 7, 40), (300, 576), (2, 5, 3, 64)])
+def test_rms_norm_equals_the_module(kernel_isa, norm_cls, shape):  # noqa: F811
+    torch.manual_seed(shape[-1] + len(shape))
+    norm = norm_cls(shape[-1], 1e-6).requires_grad_(False)
+    norm.weight.normal_()
+    x = 3 * torch.randn(*shape)
+    ref = norm.double()(x.double())
+    w = norm.weight.float() + (1.0 if norm_cls is GemmaRMSNorm else 0.0)
+    got = kernels.rms_norm(x, w, 1e-6)
+    assert got.shape == x.shape and torch.allclose(got.double(), ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(kernels.rms_norm(x.mT.contiguous().mT, w, 1e-6), got)  # any layout in
+    with pytest.raises(RuntimeError, match="rms_norm"):
+        kernels.rms_norm(x, w[:-1], 1e-6)
+
+
+@pytest.mark.parametrize("rot", [64, 32])  # full and partial rotary (dims past Dr pass through)
+@pytest.mark.parametrize("cos_batch", [3, 1])  # per-row tables, or one broadcast over the rows
+def test_rope_equals_apply_rope_and_keeps_the_projection_layout(kernel_isa, rot, cos_batch):  # noqa: F811
+    torch.manual_seed(rot + cos_batch)
+    b, s, h, d = 3, 11, 5, 64
+    qkv = torch.randn(b, s, (h + 2) * d)
+    x = qkv[..., : h * d].reshape(b, s, h, d).transpose(1, 2)  # a view of the projection, as Attention's q
+    positions = torch.arange(s).expand(cos_batch, s) + 7 * torch.arange(cos_batch)[:, None]
+    cos, sin = rope_cos_sin(1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot)), positions, torch.float32)
+    got = kernels.rope(x, cos, sin)
+    ref = apply_rope(x.double(), cos.double(), sin.double())
+    assert got.shape == x.shape and torch.allclose(got.double(), ref, atol=1e-6)
+    assert got.permute(0, 2, 1, 3).is_contiguous()  # laid out [B, S, H, D]: k's [B * S, Hkv, D] stays a view
+    assert torch.equal(kernels.rope(x.contiguous(), cos, sin), got)
+    with pytest.raises(RuntimeError, match="rope"):
+        kernels.rope(x, cos[..., :-1], sin[..., :-1])  # an odd rotary width
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_the_norms_and_rope_run_on_the_kernels_without_autograd(kernel_isa, mode, tmp_path, monkeypatch,  # noqa: F811
+                                                                family):
+    mode("auto")
+    model, _ = load_model(write_tiny_checkpoint(tmp_path / family, family=family, seed=0))
+    ids = torch.randint(0, model.config.vocab_size, (2, 40))
+    ref = model(ids)
+    use_f32_kernel(model)
+    kinds = {type(m) for m in model.modules()}
+    assert {FusedGemmaRMSNorm if family == "gemma3_text" else FusedRMSNorm, KernelAttention} <= kinds
+    assert not kinds & {RMSNorm, GemmaRMSNorm, Attention}
+    calls = []
+    for op in ("rms_norm", "rope"):
+        def spy(*args, real=getattr(kernels, op), op=op):  # noqa: ANN002, ANN202
+            calls.append(op)
+            return real(*args)
+        monkeypatch.setattr(kernels, op, spy)
+    with torch.inference_mode():
+        got = model(ids)
+    assert {"rms_norm", "rope"} <= set(calls)
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
+    calls.clear()
+    model.requires_grad_(True)  # autograd records: the modules' own forward (the kernels have no backward)
+    assert torch.allclose(model(ids), ref, atol=1e-4, rtol=1e-4) and not calls
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])

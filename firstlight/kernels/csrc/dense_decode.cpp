@@ -121,6 +121,19 @@ void gated_act(const float* g, const float* u, int64_t n, int64_t act, float* y)
   // silu(v) = v sigmoid(v); tanh-GELU(v) = v sigmoid(2 sqrt(2/pi) (v + 0.044715 v^3)) (0.5 (1 + tanh z) = sigmoid(2z))
   constexpr float kAlpha2 = 2 * 0.7978845608028654f;  // 2 sqrt(2 / pi)
   int64_t i = 0;
+#ifdef __AVX512F__
+  {
+    const __m512 one = _mm512_set1_ps(1.f), a2 = _mm512_set1_ps(kAlpha2), c3 = _mm512_set1_ps(0.044715f);
+    for (; i + 16 <= n; i += 16) {
+      const __m512 v = _mm512_loadu_ps(g + i);
+      const __m512 z = act == kSilu ? v : _mm512_mul_ps(a2, _mm512_fmadd_ps(_mm512_mul_ps(c3, v), _mm512_mul_ps(v, v), v));
+      const __m512 d = _mm512_add_ps(one, firstlight::exp512(_mm512_sub_ps(_mm512_setzero_ps(), z)));
+      __m512 r = _mm512_rcp14_ps(d);  // 1 / d: 14 bits, then one Newton step (~1 ulp; a division is ~4x slower)
+      r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));
+      _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_mul_ps(v, r), _mm512_loadu_ps(u + i)));
+    }
+  }
+#endif
 #ifdef __AVX2__
   const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps(), a2 = _mm256_set1_ps(kAlpha2),
                c3 = _mm256_set1_ps(0.044715f);
@@ -166,6 +179,61 @@ at::Tensor gated_act_rows(const at::Tensor& gate_up, int64_t act) {
     for (int64_t r = r0; r < r1; ++r) gated_act(xp + r * 2 * I, xp + r * 2 * I + I, I, act, yp + r * I);
   });
   return y;
+}
+
+// w * (x / rms(x)) over the rows of x [..., E] -> a new tensor: models/layers.py RMSNorm in one pass per row
+// (GemmaRMSNorm with w = 1 + its weight); torch's takes five (square, mean, rsqrt, two products) and four tensors
+at::Tensor rms_norm_rows(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && w_in.scalar_type() == at::kFloat && w_in.dim() == 1 &&
+                  x_in.dim() >= 1 && x_in.size(-1) == w_in.numel(),
+              "firstlight::rms_norm: fp32 x [..., E] and w [E], got ", x_in.scalar_type(), " ", x_in.sizes(), " and ",
+              w_in.scalar_type(), " ", w_in.sizes());
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t E = w.numel(), rows = E ? x.numel() / E : 0;
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(E, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) rmsnorm(xp + r * E, wp, E, static_cast<float>(eps), yp + r * E);
+  });
+  return y;
+}
+
+// x [B, H, S, D] (any strides, D's 1) rotated by the half-split rotary embedding, cos and sin [B or 1, 1, S, Dr]
+// (models/layers.py apply_rope; dims past Dr pass through) -> a new tensor laid out [B, S, H, D], as the module
+// path's (its elementwise ops keep the layout of x, a view of the fused qkv projection [B, S, H * D]), so the KV
+// store's [B * S, Hkv, D] view of k stays a view. One pass; torch's apply_rope takes five and five tensors.
+at::Tensor rope_rows(const at::Tensor& x, const at::Tensor& cos_in, const at::Tensor& sin_in) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 4 && x.stride(3) == 1 && cos_in.dim() == 4 &&
+                  cos_in.sizes() == sin_in.sizes() && cos_in.scalar_type() == at::kFloat &&
+                  sin_in.scalar_type() == at::kFloat && cos_in.size(1) == 1 && cos_in.size(2) == x.size(2) &&
+                  (cos_in.size(0) == x.size(0) || cos_in.size(0) == 1) && cos_in.size(3) <= x.size(3) &&
+                  cos_in.size(3) % 2 == 0,
+              "firstlight::rope: fp32 x [B, H, S, D] (unit stride in D) and cos, sin [B or 1, 1, S, Dr <= D], got ",
+              x.sizes(), " and ", cos_in.sizes());
+  const int64_t B = x.size(0), H = x.size(1), S = x.size(2), D = x.size(3), rot = cos_in.size(3);
+  const at::Tensor cs = cos_in.expand({B, 1, S, rot}).contiguous(), sn = sin_in.expand({B, 1, S, rot}).contiguous();
+  at::Tensor y = at::empty({B, S, H, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float *cp = cs.data_ptr<float>(), *sp = sn.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t sb = x.stride(0), sh = x.stride(1), ss = x.stride(2), half = rot / 2;
+  at::parallel_for(0, B * S, std::max<int64_t>(1, 4096 / std::max<int64_t>(H * D, 1)), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / S, t = i % S;
+      const float *c = cp + i * rot, *s = sp + i * rot;
+      for (int64_t h = 0; h < H; ++h) {
+        const float* __restrict__ in = xp + b * sb + h * sh + t * ss;
+        float* __restrict__ out = yp + (i * H + h) * D;
+        for (int64_t j = 0; j < half; ++j) {  // x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]
+          out[j] = in[j] * c[j] - in[j + half] * s[j];
+          out[j + half] = in[j + half] * c[j + half] + in[j] * s[j + half];
+        }
+        std::memcpy(out + rot, in + rot, sizeof(float) * (D - rot));
+      }
+    }
+  });
+  return y.permute({0, 2, 1, 3});
 }
 
 namespace {
@@ -338,6 +406,8 @@ TORCH_LIBRARY_FRAGMENT(firstlight, lib) {
           &dense_decode_plan);
   lib.def("dense_decode_free(int plan) -> ()", &dense_decode_free);
   lib.def("gated_act(Tensor gate_up, int act) -> Tensor");
+  lib.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  lib.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   lib.def("dense_decode(int plan, Tensor x, Tensor positions, Tensor[] cos, Tensor[] sin, Tensor[] write_slots, "
           "Tensor[] gather_slots, Tensor[] key_positions, int[] windows) -> Tensor");
 }
@@ -345,4 +415,6 @@ TORCH_LIBRARY_FRAGMENT(firstlight, lib) {
 TORCH_LIBRARY_IMPL(firstlight, CPU, lib) {
   lib.impl("dense_decode", &dense_decode);
   lib.impl("gated_act", &gated_act_rows);
+  lib.impl("rms_norm", &rms_norm_rows);
+  lib.impl("rope", &rope_rows);
 }

@@ -221,10 +221,11 @@ at::Tensor rope_rows(const at::Tensor& x, const at::Tensor& cos_in, const at::Te
   at::parallel_for(0, B * S, std::max<int64_t>(1, 4096 / std::max<int64_t>(H * D, 1)), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / S, t = i % S;
-      const float *c = cp + i * rot, *s = sp + i * rot;
+      const float *__restrict__ c = cp + i * rot, *__restrict__ s = sp + i * rot;
       for (int64_t h = 0; h < H; ++h) {
         const float* __restrict__ in = xp + b * sb + h * sh + t * ss;
         float* __restrict__ out = yp + (i * H + h) * D;
+#pragma omp simd
         for (int64_t j = 0; j < half; ++j) {  // x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]
           out[j] = in[j] * c[j] - in[j + half] * s[j];
           out[j + half] = in[j + half] * c[j + half] + in[j] * s[j + half];

@@ -400,7 +400,8 @@ def main() -> None:
 def print_tables(s: dict, args: argparse.Namespace) -> None:
     bw, rates, params = s["copy_bandwidth_gbs"], s["gemm_gflops"], s["matmul_params"]
     head = s.get("head_params", 0)  # runs before it was recorded: logits of every prompt token
-    attn = AttentionShape(**{**s["attention"], "windows": tuple(s["attention"]["windows"])}) if "attention" in s else None
+    a = s.get("attention")  # None in summaries recorded before attention was counted
+    attn = AttentionShape(**{**a, "windows": tuple(a["windows"])}) if a else None
     la = s["load_average"]
     print(f"\n{s['model']}, {s['threads']} threads; copy bandwidth {bw:.1f} GB/s; GEMM GFLOP/s at M=1/"
           f"{'/'.join(str(c) for c in args.concurrency)}/128: " + "; ".join(

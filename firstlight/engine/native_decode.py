@@ -119,7 +119,8 @@ class NativeDecode:
         scales = set()
         for i, layer in enumerate(model.layers):
             attn, mlp, norms = getattr(layer, "self_attn", None), getattr(layer, "mlp", None), _layer_norms(layer)
-            if norms is None or type(attn) not in (Attention, KernelAttention) or type(mlp) not in (GatedMLP, FusedGatedMLP):
+            if (norms is None or type(attn) not in (Attention, KernelAttention)
+                    or type(mlp) not in (GatedMLP, FusedGatedMLP)):
                 return None, f"layer {i} is a {type(layer).__name__}"
             if attn.output_gate or mlp.intermediate != cfg.intermediate_size:
                 return None, f"layer {i}: gated attention output or its own MLP width"

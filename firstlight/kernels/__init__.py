@@ -2,8 +2,8 @@
 int4_gemv.cpp (int4 and int8 weights), int4_vnni.cpp (w4a8 on its tiled layout: AVX-512 VNNI or AVX2),
 f32_gemm.cpp (fp32 weights at decode-sized batches), paged_attention.cpp (decode attention over the paged KV
 pools, and prefill attention over gathered keys), dense_decode.cpp (a dense decoder's whole decode step,
-engine/native_decode.py, and the one-pass norm, rope and gated activation a prefill runs), sampling.cpp (the sampler's categorical draw); firstlight_kernels.h holds what they
-share.
+engine/native_decode.py, and the one-pass norm, rope and gated activation a prefill runs), sampling.cpp (the
+sampler's categorical draw); firstlight_kernels.h holds what they share.
 
 `torch.utils.cpp_extension.load` compiles them into `$FIRSTLIGHT_HOME/kernels/<name>` (-O3 -fopenmp, plus
 -mavx2 -mfma when torch reports an AVX2 CPU, and the AVX-512 VNNI flags when the CPU has them: ISA

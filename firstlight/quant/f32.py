@@ -114,8 +114,8 @@ def _eager_cpu_f32(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
 
 
 class FusedRMSNorm(RMSNorm):
-    """RMSNorm in one pass per row (firstlight::rms_norm) where it applies: at a 2,048-token prefill step torch's
-    five elementwise passes and four tensors per norm, 60 norms per step for SmolLM2."""
+    """RMSNorm in one pass per row (firstlight::rms_norm) where it applies (torch's: five passes over the
+    activations and four new tensors, twice a layer)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _eager_cpu_f32(x, self.weight) or self.weight.dtype != torch.float32:

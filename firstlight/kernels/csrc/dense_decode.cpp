@@ -14,6 +14,8 @@
 //
 // The weights are registered once (dense_decode_plan -> a handle, with the runner's pools) and each step
 // passes only what changes: the embedded rows, positions, rope tables and the slots of each KV cache group.
+//
+// The same glue, as ops a prefill's modules call (quant/f32.py): gated_act, rms_norm and rope over [..., rows].
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -126,9 +128,10 @@ void gated_act(const float* g, const float* u, int64_t n, int64_t act, float* y)
     const __m512 one = _mm512_set1_ps(1.f), a2 = _mm512_set1_ps(kAlpha2), c3 = _mm512_set1_ps(0.044715f);
     for (; i + 16 <= n; i += 16) {
       const __m512 v = _mm512_loadu_ps(g + i);
-      const __m512 z = act == kSilu ? v : _mm512_mul_ps(a2, _mm512_fmadd_ps(_mm512_mul_ps(c3, v), _mm512_mul_ps(v, v), v));
+      const __m512 z =
+          act == kSilu ? v : _mm512_mul_ps(a2, _mm512_fmadd_ps(_mm512_mul_ps(c3, v), _mm512_mul_ps(v, v), v));
       const __m512 d = _mm512_add_ps(one, firstlight::exp512(_mm512_sub_ps(_mm512_setzero_ps(), z)));
-      __m512 r = _mm512_rcp14_ps(d);  // 1 / d: 14 bits, then one Newton step (~1 ulp; a division is ~4x slower)
+      __m512 r = _mm512_rcp14_ps(d);  // 1 / d: 14 bits, then one Newton step
       r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));
       _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_mul_ps(v, r), _mm512_loadu_ps(u + i)));
     }

@@ -391,8 +391,8 @@ def main() -> None:
         (out / "servers.json").write_text(json.dumps({"results": results, "skipped": skipped}, indent=1))
     load1 = os.getloadavg()
     summary = {"model": args.model, "threads": args.threads, "copy_bandwidth_gbs": bw, "gemm_gflops": rates,
-               "matmul_params": params, "head_params": head_params, "attention": dataclasses.asdict(attn), "load_average": [load0, load1], "results": results,
-               "skipped": skipped, "slo": args.slo}
+               "matmul_params": params, "head_params": head_params, "attention": dataclasses.asdict(attn),
+               "load_average": [load0, load1], "results": results, "skipped": skipped, "slo": args.slo}
     (out / "servers.json").write_text(json.dumps(summary, indent=1))
     print_tables(summary, args)
 

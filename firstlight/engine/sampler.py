@@ -197,15 +197,16 @@ class Sampler:
             # top-k / top-p / min-p rows: drawn from their filtered logits (temperature applied there)
             filt = [j for j, q in enumerate(ps) if q.top_k > 0 or q.top_p < 1.0 or q.min_p > 0.0]
             plain = sorted(set(range(len(ps))) - set(filt))
-            f_logits = filter_rows(logits[[rows[j] for j in filt]], [ps[j] for j in filt]) if filt else None
+            filt_rows, plain_rows = [rows[j] for j in filt], [rows[j] for j in plain]
+            f_logits = filter_rows(logits[filt_rows], [ps[j] for j in filt]) if filt else None
             if logits.device.type == "cpu" and logits.stride(-1) == 1 and kernels.load_kernel() is not None:
                 # one pass of ours over each row, from the logits in place (kernels/csrc/sampling.cpp)
                 if plain:
-                    tokens[[rows[j] for j in plain]] = kernels.sample_rows(
-                        logits, torch.tensor([rows[j] for j in plain]),
+                    tokens[plain_rows] = kernels.sample_rows(
+                        logits, torch.tensor(plain_rows),
                         torch.tensor([1.0 / ps[j].temperature for j in plain], dtype=torch.float32), u[plain])
                 if filt:
-                    tokens[[rows[j] for j in filt]] = kernels.sample_rows(
+                    tokens[filt_rows] = kernels.sample_rows(
                         f_logits, torch.arange(len(filt)), torch.ones(len(filt)), u[filt])
             else:
                 e = logits[rows]  # [R, V], a copy: the in-place ops below leave `logits` alone

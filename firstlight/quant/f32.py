@@ -56,14 +56,21 @@ def _give_up_onednn(error: Exception) -> None:
     _state["onednn"] = None
 
 
+def _on_kernel(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
+    """True where our kernels take x (and weight): fp32 on CPU, no autograd recording (they have no backward)."""
+    if weight is not None and weight.dtype != torch.float32:
+        return False
+    return x.dtype == torch.float32 and x.device.type == "cpu" and not (
+        torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)))
+
+
 class F32Linear(nn.Linear):
     """nn.Linear whose fp32 CPU products go through firstlight::f32_mm, and oneDNN above onednn_min_rows()
     (the BLAS where oneDNN is missing or fails); with autograd recording (a tensor that requires grad), torch's
     F.linear; inside torch.compile, f32_mm only (the graph keeps one op of ours, no reordered weight)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu" or (
-                torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+        if not _on_kernel(x, self.weight):
             return F.linear(x, self.weight, self.bias)  # the op has no backward: autograd keeps torch's
         x2 = x.reshape(-1, x.shape[-1])
         min_rows = None if torch.compiler.is_compiling() else onednn_min_rows()
@@ -101,16 +108,10 @@ class FusedGatedMLP(GatedMLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.gate_up_proj(x)
-        if h.dtype != torch.float32 or h.device.type != "cpu" or (torch.is_grad_enabled() and h.requires_grad):
+        if not _on_kernel(h):
             gate, up = h.split(self.intermediate, dim=-1)  # the op has no backward, nor other dtypes
             return self.down_proj(self.act(gate) * up)
         return self.down_proj(kernels.gated_act(h, self.act_name))
-
-
-def _eager_cpu_f32(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
-    """True where a glue kernel applies: fp32 on CPU, eager (a compiled graph fuses its own), no autograd."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling()
-            and not (torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad))))
 
 
 class FusedRMSNorm(RMSNorm):
@@ -118,8 +119,8 @@ class FusedRMSNorm(RMSNorm):
     activations and four new tensors, twice a layer)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _eager_cpu_f32(x, self.weight) or self.weight.dtype != torch.float32:
-            return super().forward(x)
+        if not _on_kernel(x, self.weight) or torch.compiler.is_compiling():
+            return super().forward(x)  # (a compiled graph fuses its own)
         return kernels.rms_norm(x, self.weight, self.eps)
 
 
@@ -127,8 +128,8 @@ class FusedGemmaRMSNorm(GemmaRMSNorm):
     """GemmaRMSNorm, (1 + w) * (x / rms(x)), as FusedRMSNorm."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _eager_cpu_f32(x, self.weight) or self.weight.dtype != torch.float32:
-            return super().forward(x)
+        if not _on_kernel(x, self.weight) or torch.compiler.is_compiling():
+            return super().forward(x)  # (a compiled graph fuses its own)
         return kernels.rms_norm(x, 1.0 + self.weight, self.eps)
 
 
@@ -136,7 +137,7 @@ class KernelAttention(Attention):
     """Attention whose rotary embedding is one pass (firstlight::rope) where it applies."""
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if not _eager_cpu_f32(x) or cos.dtype != torch.float32 or cos.dim() != 4:
+        if not _on_kernel(x) or cos.dtype != torch.float32 or cos.dim() != 4 or torch.compiler.is_compiling():
             return super().rotate(x, cos, sin)
         return kernels.rope(x, cos, sin)
 

@@ -108,13 +108,16 @@ void rmsnorm(const float* x, const float* w, int64_t n, float eps, float* out) {
   for (i = 0; i < n; ++i) out[i] = w[i] * (x[i] * r);
 }
 
-// x[0..D) rotated by the half-split rotary embedding over its first `rot` dims (cos, sin: [rot])
-void rope(float* x, const float* cos, const float* sin, int64_t rot) {
+// out[0..rot) = x[0..rot) rotated by the half-split rotary embedding (cos, sin: [rot]): x * cos + rotate_half(x)
+// * sin, rotate_half(x) = [-x2, x1]. out may be x (each step reads and writes the same two lanes: no dependence
+// between steps, so the loop vectorizes either way).
+void rope(const float* x, const float* cos, const float* sin, int64_t rot, float* out) {
   const int64_t half = rot / 2;
+#pragma omp simd
   for (int64_t i = 0; i < half; ++i) {
     const float x0 = x[i], x1 = x[i + half];
-    x[i] = x0 * cos[i] - x1 * sin[i];
-    x[i + half] = x1 * cos[i + half] + x0 * sin[i + half];
+    out[i] = x0 * cos[i] - x1 * sin[i];
+    out[i + half] = x1 * cos[i + half] + x0 * sin[i + half];
   }
 }
 
@@ -215,24 +218,20 @@ at::Tensor rope_rows(const at::Tensor& x, const at::Tensor& cos_in, const at::Te
               "firstlight::rope: fp32 x [B, H, S, D] (unit stride in D) and cos, sin [B or 1, 1, S, Dr <= D], got ",
               x.sizes(), " and ", cos_in.sizes());
   const int64_t B = x.size(0), H = x.size(1), S = x.size(2), D = x.size(3), rot = cos_in.size(3);
-  const at::Tensor cs = cos_in.expand({B, 1, S, rot}).contiguous(), sn = sin_in.expand({B, 1, S, rot}).contiguous();
+  const at::Tensor cs = cos_in.contiguous(), sn = sin_in.contiguous();
+  const int64_t ldt = cs.size(0) == 1 ? 0 : S * rot;  // one table for every row, or one per row
   at::Tensor y = at::empty({B, S, H, D}, x.options());
   const float* xp = x.data_ptr<float>();
   const float *cp = cs.data_ptr<float>(), *sp = sn.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t sb = x.stride(0), sh = x.stride(1), ss = x.stride(2), half = rot / 2;
+  const int64_t sb = x.stride(0), sh = x.stride(1), ss = x.stride(2);
   at::parallel_for(0, B * S, std::max<int64_t>(1, 4096 / std::max<int64_t>(H * D, 1)), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / S, t = i % S;
-      const float *__restrict__ c = cp + i * rot, *__restrict__ s = sp + i * rot;
+      const int64_t b = i / S, t = i % S, off = b * ldt + t * rot;
       for (int64_t h = 0; h < H; ++h) {
-        const float* __restrict__ in = xp + b * sb + h * sh + t * ss;
-        float* __restrict__ out = yp + (i * H + h) * D;
-#pragma omp simd
-        for (int64_t j = 0; j < half; ++j) {  // x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]
-          out[j] = in[j] * c[j] - in[j + half] * s[j];
-          out[j + half] = in[j + half] * c[j + half] + in[j] * s[j + half];
-        }
+        const float* in = xp + b * sb + h * sh + t * ss;
+        float* out = yp + (i * H + h) * D;
+        rope(in, cp + off, sp + off, rot, out);
         std::memcpy(out + rot, in + rot, sizeof(float) * (D - rot));
       }
     }
@@ -381,8 +380,8 @@ at::Tensor dense_decode(int64_t handle, const at::Tensor& x_in, const at::Tensor
       }
       if (layer.rope) {
         const float *c = cs[t].data_ptr<float>() + b * rot, *s = sn[t].data_ptr<float>() + b * rot;
-        for (int64_t j = 0; j < H; ++j) rope(q + j * D, c, s, rot);
-        for (int64_t j = 0; j < Hkv; ++j) rope(k + j * D, c, s, rot);
+        for (int64_t j = 0; j < H; ++j) rope(q + j * D, c, s, rot, q + j * D);
+        for (int64_t j = 0; j < Hkv; ++j) rope(k + j * D, c, s, rot, k + j * D);
       }
       const int64_t slot = wsp[b];
       TORCH_CHECK(slot >= 0 && slot < nslots, "firstlight::dense_decode: write slot ", slot, " outside the pool");

@@ -15,5 +15,9 @@ class ModelLoadError(FirstlightError):
     """A checkpoint, GGUF file or config could not be loaded."""
 
 
+class NoSpaceError(ModelLoadError):
+    """Not enough free disk space to download or convert a model."""
+
+
 class UnknownModelError(FirstlightError):
     """A model name or architecture that firstlight does not know."""

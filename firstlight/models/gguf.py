@@ -43,8 +43,9 @@ from typing import Any
 
 import numpy as np
 
-from firstlight.errors import ModelLoadError, UnknownModelError
+from firstlight.errors import ModelLoadError, NoSpaceError, UnknownModelError
 from firstlight.models.hf_names import expert_file_names, router_file_name
+from firstlight.models.hub import check_free_space
 
 # GGUF `general.architecture` values we convert, and the HF model_type each becomes.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -614,6 +615,8 @@ def gguf_to_checkpoint(gguf_path: Path, out_dir: Path, dtype: str = "float32") -
     tensors = convert_tensors(reader, cfg, dtype)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    need = sum(t.numel() * t.element_size() for t in tensors.values())
+    check_free_space(out_dir.parent, need, f"converting {gguf_path.name} to {out_dir.name}")
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         _write_checkpoint(tmp, gguf_path, reader, meta, cfg, tensors)
@@ -637,7 +640,15 @@ def _write_checkpoint(
 ) -> None:
     from safetensors.torch import save_file
 
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    except Exception as e:  # safetensors reports a full disk as its own error type
+        if "No space left on device" in str(e):
+            raise NoSpaceError(
+                f"the disk of {tmp.parent} filled up while writing {gguf_path.name}'s tensors; free some space, "
+                "or point FIRSTLIGHT_HOME (or the output dir) at a disk with more room"
+            ) from e
+        raise
     del tensors
     _write_json(tmp / "config.json", cfg)
     _write_json(tmp / "generation_config.json", generation_config(cfg, meta, _eot_ids(reader, meta)))

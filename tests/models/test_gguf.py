@@ -334,6 +334,33 @@ def test_out_dir_must_be_empty(llama_case, tmp_path: Path) -> None:
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
+def test_no_room_for_the_checkpoint(llama_case, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk without room for the converted tensors: a clear error before anything is written."""
+    gguf_path, _, _ = llama_case
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
+    with pytest.raises(ModelLoadError, match=r"converting tiny.gguf to ckpt needs .* MB in .* and 1 MB are free"):
+        gguf_to_checkpoint(gguf_path, tmp_path / "ckpt")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_disk_full_while_writing(llama_case, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk fills up during the write (the free-space check passed): NoSpaceError, no partial dir left."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    from firstlight.errors import NoSpaceError
+
+    def full(*a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    gguf_path, _, _ = llama_case
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(NoSpaceError, match=r"filled up while writing tiny.gguf's tensors; free some space"):
+        gguf_to_checkpoint(gguf_path, tmp_path / "ckpt")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="does not exist"):
         gguf_to_checkpoint(tmp_path / "nope.gguf", tmp_path / "out")

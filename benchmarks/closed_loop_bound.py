@@ -83,7 +83,7 @@ def main() -> None:
     print(f"{args.model} {args.quantization} ({kernel} kernels), c = {c}, prompts {args.prompt_len}, "
           f"{args.output_len} output tokens, {args.threads} thread(s); weights {wb / 1e6:.0f} MB")
     print("\n| round | chunk | copy GB/s | GEMM M=128 / M=c GFLOP/s | prefill s (bound) | decode s (bound) | "
-          "wall s (bound) | wall / bound | steps |")
+          "wall s (bound) | bound / wall | steps |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     ratios: dict[int, list[float]] = {n: [] for n in chunks}
     phase: dict[int, list[tuple[float, float]]] = {n: [] for n in chunks}

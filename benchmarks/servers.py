@@ -64,6 +64,8 @@ import torch
 from _common import copy_bandwidth_gbs, median_time
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from firstlight.models.config import ModelConfig
 
 PY = sys.executable
@@ -339,7 +341,8 @@ def run_server(server: Server, args: argparse.Namespace, port: int, out: Path) -
     return res
 
 
-def measured_beside(server: Server, args: argparse.Namespace, ms: tuple[int, ...], run) -> tuple[dict, dict]:
+def measured_beside(server: Server, args: argparse.Namespace, ms: tuple[int, ...],
+                    run: Callable[[], dict]) -> tuple[dict, dict]:
     """run() and the bound's inputs measured just before and just after it (copy bandwidth, the server's kernel
     at M in ms): this machine's speed moves by up to 2x within minutes, so a bound measured once at the start can
     sit in another phase than the run it bounds. The bound then uses the mean of the two measurements."""

@@ -441,8 +441,11 @@ def print_tables(s: dict, args: argparse.Namespace) -> None:
     a = s.get("attention")  # None in summaries recorded before attention was counted
     attn = AttentionShape(**{**a, "windows": tuple(a["windows"])}) if a else None
     la = s["load_average"]
-    print(f"\n{s['model']}, {s['threads']} threads; copy bandwidth {bw:.1f} GB/s; GEMM GFLOP/s at M=1/"
-          f"{'/'.join(str(c) for c in args.concurrency)}/128: " + "; ".join(
+    beside_runs = any(k.startswith("bound_") for r in s["results"] for k in r)
+    print(f"\n{s['model']}, {s['threads']} threads; copy bandwidth {bw:.1f} GB/s; GEMM GFLOP/s at M="
+          f"{'/'.join(str(m) for m in sorted(next(iter(rates.values()))))}"
+          f"{' (at the start; each bound below uses the rates measured beside its run)' if beside_runs else ''}: "
+          + "; ".join(
               f"{k} " + "/".join(f"{v[m]:.0f}" for m in sorted(v)) for k, v in rates.items())
           + f"; load average {la[0][0]:.1f} before, {la[1][0]:.1f} after, on {os.cpu_count()} CPUs")
     print("\n| server | weights MB | decode tok/s (bound) | TTFT ms | " + " | ".join(

@@ -23,9 +23,7 @@ import time
 
 import torch
 from _common import copy_bandwidth_gbs
-from servers import AttentionShape, bound_phases_s, kernel_rates, model_shapes
-
-KERNEL = {"none": "fp32", "int8": "int8", "int4": "int4", "w4a8": "w4a8", "w8a8": "w8a8"}
+from servers import PROMPT_LEN, bound_phases_s, kernel_rates, model_work
 
 
 def run_once(engine, c: int, prompt_len: int, output_len: int, vocab: int, seed: int) -> tuple[float, float, int]:
@@ -52,7 +50,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--quantization", default="none", choices=sorted(KERNEL))
+    ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "w4a8", "w8a8"])
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=142)
     ap.add_argument("--output-len", type=int, default=32)
@@ -64,15 +62,10 @@ def main() -> None:
     from firstlight.engine.engine import EngineConfig, LLMEngine
     from firstlight.engine.llm import load
     from firstlight.models import hub
-    from firstlight.models.loader import load_model
     from firstlight.quant import model_weight_bytes
 
-    c, kernel = args.concurrency, KERNEL[args.quantization]
-    ref, _ = load_model(hub.resolve(args.model), with_tokenizer=False)  # the shapes, as servers.py reads them
-    params = sum(m.weight.numel() for m in ref.modules() if isinstance(m, torch.nn.Linear))
-    head_params = ref.lm_head.weight.numel()
-    attn, shapes = AttentionShape.of(ref.config), model_shapes(ref)
-    del ref
+    c, kernel = args.concurrency, "fp32" if args.quantization == "none" else args.quantization
+    params, head_params, attn, shapes = model_work(hub.resolve(args.model))
     model, tok = load(args.model, "float32", None if args.quantization == "none" else args.quantization)
     wb = model_weight_bytes(model)
     chunks = [int(x) for x in args.chunks.split(",")]
@@ -85,23 +78,22 @@ def main() -> None:
     print("\n| round | chunk | copy GB/s | GEMM M=128 / M=c GFLOP/s | prefill s (bound) | decode s (bound) | "
           "wall s (bound) | bound / wall | steps |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    ratios: dict[int, list[float]] = {n: [] for n in chunks}
-    phase: dict[int, list[tuple[float, float]]] = {n: [] for n in chunks}
+    runs: dict[int, list[tuple[float, float, float, float]]] = {n: [] for n in chunks}  # (prefill, decode, bounds)
     for r in range(args.rounds):
         for n, engine in engines.items():
             bw = copy_bandwidth_gbs()
-            rate = kernel_rates(tuple(sorted({1, 128, c})), shapes, (kernel,))[kernel]
+            rate = kernel_rates(tuple(sorted({1, PROMPT_LEN, c})), shapes, (kernel,))[kernel]
             bp, bd = bound_phases_s(wb, params, head_params, bw, rate, c, args.output_len, args.prompt_len, attn, 4)
             p, d, steps = run_once(engine, c, args.prompt_len, args.output_len, vocab, seed=r * 1000 + n)
-            ratios[n].append((bp + bd) / (p + d))
-            phase[n].append((bp / p, bd / d))
-            print(f"| {r} | {n} | {bw:.1f} | {rate[128]:.0f} / {rate[c]:.0f} | {p:.3f} ({bp:.3f}) | {d:.3f} ({bd:.3f}) "
+            runs[n].append((p, d, bp, bd))
+            print(f"| {r} | {n} | {bw:.1f} | {rate[PROMPT_LEN]:.0f} / {rate[c]:.0f} | {p:.3f} ({bp:.3f}) | {d:.3f} ({bd:.3f}) "
                   f"| {p + d:.3f} ({bp + bd:.3f}) | {(bp + bd) / (p + d):.3f} | {steps} |", flush=True)
     print()
-    for n in chunks:
-        print(f"chunk {n}: bound / wall median {statistics.median(ratios[n]):.3f} (rounds: "
-              + ", ".join(f"{x:.3f}" for x in ratios[n]) + f"); prefill {statistics.median(x[0] for x in phase[n]):.3f}"
-              f", decode {statistics.median(x[1] for x in phase[n]):.3f} of their bounds")
+    for n, rs in runs.items():
+        ratios = [(bp + bd) / (p + d) for p, d, bp, bd in rs]
+        print(f"chunk {n}: bound / wall median {statistics.median(ratios):.3f} (rounds: "
+              + ", ".join(f"{x:.3f}" for x in ratios) + f"); prefill {statistics.median(bp / p for p, _, bp, _ in rs):.3f}"
+              f", decode {statistics.median(bd / d for _, d, _, bd in rs):.3f} of their bounds")
 
 
 if __name__ == "__main__":

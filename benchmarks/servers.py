@@ -163,6 +163,16 @@ def model_shapes(model: torch.nn.Module, head_slice: int = 4096) -> list[tuple[i
     return [*shapes, (rows, hidden, vocab / rows)]
 
 
+def model_work(path: Path) -> tuple[int, int, AttentionShape, list[tuple[int, int, int]]]:
+    """What the bounds need of the model at `path`: its matmul parameters, the head's, its attention shape, and
+    the linear shapes kernel_rates times."""
+    from firstlight.models.loader import load_model
+
+    model, _ = load_model(path, with_tokenizer=False)
+    params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return params, model.lm_head.weight.numel(), AttentionShape.of(model.config), model_shapes(model)
+
+
 def step_s(weight_bytes: int, params: int, bw_gbs: float, rate: dict[int, float], c: int, context: float,
            attn: AttentionShape | None = None, kv_bytes: int = 4) -> float:
     """The least time of a decode step of c rows whose queries see `context` keys (attn None: the matmuls alone,
@@ -396,17 +406,12 @@ def main() -> None:
         return
     torch.set_num_threads(args.threads)
     from firstlight.models import hub
-    from firstlight.models.loader import load_model
 
     args.tokenizer = hub.resolve(args.model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model, _ = load_model(args.tokenizer, with_tokenizer=False)
-    params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    head_params = model.lm_head.weight.numel()
-    attn = AttentionShape.of(model.config)
-    shapes = args.shapes = model_shapes(model)
-    del model
+    params, head_params, attn, shapes = model_work(args.tokenizer)
+    args.shapes = shapes
     bw = copy_bandwidth_gbs()
     rates = kernel_rates(tuple(sorted({1, PROMPT_LEN, *args.concurrency})), shapes)
     port = free_port()

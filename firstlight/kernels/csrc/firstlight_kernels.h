@@ -57,39 +57,6 @@ inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-// fp32 vectors of 8 lanes (AVX2) and 16 (builds with AVX-512), for kernels templated on the width; `half`
-// folds a vector to 8 lanes for hsum4.
-struct F32x8 {
-  using T = __m256;
-  static constexpr int kLanes = 8;
-  static T zero() { return _mm256_setzero_ps(); }
-  static T load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, T a) { _mm256_storeu_ps(p, a); }
-  static T set1(float a) { return _mm256_set1_ps(a); }
-  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
-  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
-  static __m256 half(T a) { return a; }
-};
-
-#ifdef __AVX512F__
-struct F32x16 {
-  using T = __m512;
-  static constexpr int kLanes = 16;
-  static T zero() { return _mm512_setzero_ps(); }
-  static T load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, T a) { _mm512_storeu_ps(p, a); }
-  static T set1(float a) { return _mm512_set1_ps(a); }
-  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
-  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
-  static __m256 half(T a) {
-    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-  }
-};
-using F32xWide = F32x16;  // the widest this build has
-#else
-using F32xWide = F32x8;
-#endif
-
 // Cephes' expf (as in avx_mathfun): e^x = 2^n * poly(r), r = x - n ln 2 with ln 2 in two parts; the
 // polynomial's coefficients, highest degree first
 constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
@@ -121,6 +88,59 @@ inline __m512 exp512(__m512 x) {
   const __m512i n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(0x7f)), 23);
   return _mm512_mul_ps(y, _mm512_castsi512_ps(n));
 }
+#endif
+
+// fp32 vectors of 8 lanes (AVX2) and 16 (builds with AVX-512), for kernels templated on the width; `half`
+// folds a vector to 8 lanes for hsum4.
+struct F32x8 {
+  using T = __m256;
+  static constexpr int kLanes = 8;
+  static T zero() { return _mm256_setzero_ps(); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, T a) { _mm256_storeu_ps(p, a); }
+  static T set1(float a) { return _mm256_set1_ps(a); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+  static T max(T a, T b) { return _mm256_max_ps(a, b); }
+  static T exp(T a) { return exp256(a); }
+  static float reduce_add(T a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  static float reduce_max(T a) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+  }
+  static __m256 half(T a) { return a; }
+};
+
+#ifdef __AVX512F__
+struct F32x16 {
+  using T = __m512;
+  static constexpr int kLanes = 16;
+  static T zero() { return _mm512_setzero_ps(); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, T a) { _mm512_storeu_ps(p, a); }
+  static T set1(float a) { return _mm512_set1_ps(a); }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  static T max(T a, T b) { return _mm512_max_ps(a, b); }
+  static T exp(T a) { return exp512(a); }
+  static float reduce_add(T a) { return _mm512_reduce_add_ps(a); }
+  static float reduce_max(T a) { return _mm512_reduce_max_ps(a); }
+  static __m256 half(T a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  }
+};
+using F32xWide = F32x16;  // the widest this build has
+#else
+using F32xWide = F32x8;
 #endif
 
 #endif

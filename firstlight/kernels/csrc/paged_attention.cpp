@@ -29,55 +29,49 @@
 
 namespace {
 
-// p[0..L) = softmax(p), in place (L >= 1: the scores of the visible keys)
-inline void softmax(float* p, int64_t L) {
-#ifdef __AVX512F__
-  if (L >= 16) {  // max, exp and sum, scaling: each a 16-lane pass
-    int64_t l = 0;
-    __m512 vmx = _mm512_loadu_ps(p);
-    for (l = 16; l + 16 <= L; l += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(p + l));
-    float mx = _mm512_reduce_max_ps(vmx);
-    for (; l < L; ++l) mx = std::max(mx, p[l]);
-    vmx = _mm512_set1_ps(mx);
-    __m512 acc = _mm512_setzero_ps();
-    for (l = 0; l + 16 <= L; l += 16) {
-      const __m512 e = firstlight::exp512(_mm512_sub_ps(_mm512_loadu_ps(p + l), vmx));
-      _mm512_storeu_ps(p + l, e);
-      acc = _mm512_add_ps(acc, e);
-    }
-    float sum = _mm512_reduce_add_ps(acc);
-    for (; l < L; ++l) {
-      p[l] = std::exp(p[l] - mx);
-      sum += p[l];
-    }
-    const float inv = 1.f / sum;
-    const __m512 vinv = _mm512_set1_ps(inv);
-    for (l = 0; l + 16 <= L; l += 16) _mm512_storeu_ps(p + l, _mm512_mul_ps(vinv, _mm512_loadu_ps(p + l)));
-    for (; l < L; ++l) p[l] *= inv;
-    return;
-  }
-#endif
-  const float mx = *std::max_element(p, p + L);
-  int64_t l = 0;
-  float sum = 0.f;
 #ifdef __AVX2__
-  const __m256 vmx = _mm256_set1_ps(mx);
-  __m256 acc = _mm256_setzero_ps();
-  for (; l + 8 <= L; l += 8) {
-    const __m256 e = firstlight::exp256(_mm256_sub_ps(_mm256_loadu_ps(p + l), vmx));
-    _mm256_storeu_ps(p + l, e);
-    acc = _mm256_add_ps(acc, e);
+// softmax on F's vectors (L >= F::kLanes): the max, the exp and sum, the scaling, each a vector pass
+template <class F>
+void softmax_vec(float* p, int64_t L) {
+  constexpr int64_t W = F::kLanes;
+  int64_t l = W;
+  typename F::T v = F::load(p);
+  for (; l + W <= L; l += W) v = F::max(v, F::load(p + l));
+  float mx = F::reduce_max(v);
+  for (; l < L; ++l) mx = std::max(mx, p[l]);
+  v = F::set1(mx);
+  typename F::T acc = F::zero();
+  for (l = 0; l + W <= L; l += W) {
+    const typename F::T e = F::exp(F::sub(F::load(p + l), v));
+    F::store(p + l, e);
+    acc = F::add(acc, e);
   }
-  alignas(32) float t[8];
-  _mm256_store_ps(t, acc);
-  for (float v : t) sum += v;
-#endif
+  float sum = F::reduce_add(acc);
   for (; l < L; ++l) {
     p[l] = std::exp(p[l] - mx);
     sum += p[l];
   }
   const float inv = 1.f / sum;
-  for (l = 0; l < L; ++l) p[l] *= inv;
+  v = F::set1(inv);
+  for (l = 0; l + W <= L; l += W) F::store(p + l, F::mul(v, F::load(p + l)));
+  for (; l < L; ++l) p[l] *= inv;
+}
+#endif
+
+// p[0..L) = softmax(p), in place (L >= 1: the scores of the visible keys); the widest vectors L fills
+inline void softmax(float* p, int64_t L) {
+#ifdef __AVX2__
+  if (L >= firstlight::F32xWide::kLanes) return softmax_vec<firstlight::F32xWide>(p, L);
+  if (L >= firstlight::F32x8::kLanes) return softmax_vec<firstlight::F32x8>(p, L);
+#endif
+  const float mx = *std::max_element(p, p + L);
+  float sum = 0.f;
+  for (int64_t l = 0; l < L; ++l) {
+    p[l] = std::exp(p[l] - mx);
+    sum += p[l];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t l = 0; l < L; ++l) p[l] *= inv;
 }
 
 #ifdef __AVX2__

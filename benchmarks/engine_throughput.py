@@ -9,10 +9,13 @@ best static batching can do. Same process, same weights, same thread count.
 
 Prints, per concurrency: engine tok/s, HF tok/s, the ratio, and the engine's median per-step
 schedule, execute and sample(+update+detokenize) times, next to a hardware bound on output tok/s
-for the same workload (see `workload_bound`): prefill at the measured GEMM rate, then decode steps
-at batch c that each cost max(FLOPs / GEMM rate, weight bytes / copy bandwidth), with FLOPs =
-2 x matmul params per token (Kaplan et al. 2020) + 4 x context x heads x head_dim per layer
-(QK^T and PV). `--compile` adds, per concurrency, eager vs torch.compile'd shape-bucketed decode: alternating runs
+for the same workload (`workload_bound`): benchmarks/servers.py's bound for a closed loop of c requests
+(prompts at the M = 128 GEMM rate; decode steps of batch c, each max(weight + K/V bytes / copy bandwidth,
+matmul + attention FLOPs / the M = c rate)), once per wave of c requests. The rates are those of the kernel
+the engine runs, measured here over the model's own linear shapes (servers.kernel_rates "fp32": firstlight's
+fp32 tiles and oneDNN on a reordered weight, as `firstlight serve` and engine/llm.py `load` set up the model),
+not torch.mm's (MKL runs its AVX2 code on AMD CPUs: a bound from its rate sat below what the engine does).
+`--compile` adds, per concurrency, eager vs torch.compile'd shape-bucketed decode: alternating runs
 (`--compile-repeats`), medians, graphs built in a warm-up run first so compile time is excluded:
 
     .venv/bin/python benchmarks/engine_throughput.py --model smollm2-135m --threads 1 --skip-hf \
@@ -29,7 +32,8 @@ import time
 from pathlib import Path
 
 import torch
-from _common import copy_bandwidth_gbs, gemm_gflops
+from _common import copy_bandwidth_gbs
+from servers import PROMPT_LEN, bound_phases_s, kernel_rates, model_work
 
 
 def make_prompts(num: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -96,33 +100,16 @@ def compare_compiled(model, tok, prompts, output_len: int, concurrency: int, rep
     return {"median": med, "runs": runs, "num_decode_compiles": graphs}
 
 
-def matmul_params(model: torch.nn.Module) -> int:
-    """Parameters that go through a matmul per token: every Linear (the embedding is a row lookup,
-    unless it is tied to the LM head, which is a Linear sharing its weight)."""
-    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-
-
-def workload_bound(model, num_requests: int, prompt_len: int, output_len: int, concurrency: int,
-                   prefill_gflop_s: float, decode_gflop_s: float, bandwidth_gbs: float) -> dict:
-    """Output tok/s no implementation can beat on this machine for the workload (lower time bound).
-
-    Prefill: FLOPs / GEMM rate at M = prompt_len. Decode: num_requests * output_len / c steps at batch c,
-    each max(FLOPs / GEMM rate at M = c, weight bytes / copy bandwidth): a step reads every weight once
-    (roofline, Williams et al. 2009). Attention FLOPs use the mean context of each phase.
-    """
-    cfg = model.config
-    params = matmul_params(model)
-    weight_bytes = params * next(model.parameters()).element_size()
-    attn_per_token = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim  # x context length
-    prefill_flops = num_requests * prompt_len * (2 * params + attn_per_token * prompt_len / 2)
-    decode_flops = num_requests * output_len * (2 * params + attn_per_token * (prompt_len + output_len / 2))
-    num_steps = num_requests * output_len / concurrency
-    compute_s = decode_flops / (decode_gflop_s * 1e9)
-    memory_s = num_steps * weight_bytes / (bandwidth_gbs * 1e9)
-    total_s = prefill_flops / (prefill_gflop_s * 1e9) + max(compute_s, memory_s)
-    return {"tok_s": num_requests * output_len / total_s, "decode_bound_by": "compute" if compute_s > memory_s else
-            "memory", "decode_compute_s": compute_s, "decode_memory_s": memory_s, "weight_bytes": weight_bytes,
-            "prefill_gflop": prefill_flops / 1e9, "decode_gflop": decode_flops / 1e9}
+def workload_bound(path: Path, num_requests: int, prompt_len: int, output_len: int, concurrency: int,
+                   rates: dict[int, float], bandwidth_gbs: float) -> dict:
+    """Output tok/s no implementation can beat here for the workload: num_requests / c waves of servers.py's
+    closed-loop bound (c prompts, then output_len - 1 decode steps of batch c), fp32 weights and K/V."""
+    params, head_params, attn, _ = model_work(path)
+    waves = num_requests / concurrency
+    prefill_s, decode_s = bound_phases_s(4 * params, params, head_params, bandwidth_gbs, rates, concurrency,
+                                         output_len, prompt_len, attn)
+    return {"tok_s": num_requests * output_len / (waves * (prefill_s + decode_s)),
+            "prefill_s": waves * prefill_s, "decode_s": waves * decode_s, "weight_bytes": 4 * params}
 
 
 def run_hf(path: Path, prompts, output_len, batch_size) -> dict:
@@ -160,32 +147,37 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
+    from firstlight.engine.llm import load
     from firstlight.models.hub import resolve
-    from firstlight.models.loader import load_model
 
     path = resolve(args.model)
-    model, tok = load_model(path)
+    model, tok = load(path)  # as `firstlight serve` runs it: fp32 linears on firstlight's tiles and oneDNN
     cfg = model.config
     num_params = sum(p.numel() for p in model.parameters())
     prompts_all = make_prompts(args.num_requests, args.prompt_len, cfg.vocab_size)
     run_engine(model, tok, prompts_all[:2], 4, 2)  # warm-up
-    bandwidth = copy_bandwidth_gbs()
-    prefill_rate = gemm_gflops(args.prompt_len, cfg.hidden_size, cfg.intermediate_size)
-    print(f"model {args.model}: {num_params / 1e6:.1f}M params fp32 ({matmul_params(model) / 1e6:.1f}M in matmuls), "
-          f"threads={args.threads}, prompt {args.prompt_len} / output {args.output_len}")
-    print(f"machine: copy bandwidth {bandwidth:.1f} GB/s, GEMM {prefill_rate:.1f} GFLOP/s at "
-          f"[{args.prompt_len}, {cfg.hidden_size}] x [{cfg.hidden_size}, {cfg.intermediate_size}]")
+    shapes = model_work(path)[3]
+
+    def measured(c: int) -> tuple[float, dict[int, float]]:  # copy GB/s, the engine's fp32 GFLOP/s at M = 128 and c
+        return copy_bandwidth_gbs(), kernel_rates(tuple(sorted({PROMPT_LEN, c})), shapes, ("fp32",))["fp32"]
+
+    print(f"model {args.model}: {num_params / 1e6:.1f}M params fp32, threads={args.threads}, "
+          f"prompt {args.prompt_len} / output {args.output_len}; each bound from the copy bandwidth and the engine's "
+          "fp32 GEMM rates over the model's linears, measured just before and just after its engine run (mean)")
     print(f"{'conc':>4} {'reqs':>4} {'engine tok/s':>13} {'HF tok/s':>9} {'ratio':>6} {'bound tok/s':>11} "
           f"{'eng %':>6} {'HF %':>5} {'sched ms':>9} {'exec ms':>8} {'sample ms':>9} {'decode exec ms':>14} "
-          f"{'GFLOP/s':>8}")
+          f"{'GFLOP/s':>8}  copy GB/s, GFLOP/s at M = 128 / c")
     results = []
     for c in args.concurrency:
         n = args.num_requests_c1 if (c == 1 and args.num_requests_c1) else args.num_requests
         prompts = prompts_all[:n]
+        before = measured(c)
         eng = run_engine(model, tok, prompts, args.output_len, c)
+        after = measured(c)
+        bandwidth = (before[0] + after[0]) / 2
+        rates = {m: (before[1][m] + after[1][m]) / 2 for m in before[1]}
         hf = None if args.skip_hf else run_hf(path, prompts, args.output_len, c)
-        bound = workload_bound(model, n, args.prompt_len, args.output_len, c, prefill_rate,
-                               gemm_gflops(c, cfg.hidden_size, cfg.intermediate_size), bandwidth)
+        bound = workload_bound(path, n, args.prompt_len, args.output_len, c, rates, bandwidth)
         # 2 FLOPs per parameter per token (matmuls), prompt + output tokens, over the engine's wall time
         gflops = 2 * num_params * n * (args.prompt_len + args.output_len) / eng["wall_s"] / 1e9
         ratio = f"{eng['tok_s'] / hf['tok_s']:.2f}" if hf else "-"
@@ -194,9 +186,10 @@ def main() -> None:
         print(f"{c:>4} {n:>4} {eng['tok_s']:>13.1f} {hf_s:>9} {ratio:>6} {bound['tok_s']:>11.1f} "
               f"{100 * eng['tok_s'] / bound['tok_s']:>6.0f} {hf_pct:>5} {eng['median_schedule_ms']:>9.3f} "
               f"{eng['median_execute_ms']:>8.2f} {eng['median_sample_ms']:>9.3f} "
-              f"{eng['median_decode_execute_ms']:>14.2f} {gflops:>8.1f}   (decode {bound['decode_bound_by']}-bound)",
+              f"{eng['median_decode_execute_ms']:>14.2f} {gflops:>8.1f}  {bandwidth:.1f}, {rates[PROMPT_LEN]:.0f} / {rates[c]:.0f}",
               flush=True)
-        row = {"concurrency": c, "num_requests": n, "engine": eng, "hf": hf, "gflop_s": gflops, "bound": bound}
+        row = {"concurrency": c, "num_requests": n, "engine": eng, "hf": hf, "gflop_s": gflops, "bound": bound,
+               "copy_bandwidth_gbs": bandwidth, "gemm_gflops": rates}
         if args.compile:
             row["compile"] = compare_compiled(model, tok, prompts, args.output_len, c, args.compile_repeats)
         results.append(row)

@@ -221,6 +221,20 @@ def kv_format_of(kv_cache_dtype: str) -> str | None:
     return None if kv_cache_dtype == "auto" else kv_cache_dtype
 
 
+def _consecutive_rows(rows: list[torch.Tensor]) -> torch.Tensor | None:
+    """rows as one [N, V] tensor without a copy where they are consecutive rows of one tensor (a decode step's
+    logits, in batch order: torch.stack copied 6 MB a step at batch 32, ~1.7 ms), else None."""
+    first = rows[0]
+    if first.dim() != 1 or first.stride() != (1,):
+        return None
+    v, off, storage = first.shape[0], first.storage_offset(), first.untyped_storage().data_ptr()
+    for i, r in enumerate(rows):
+        if (r.shape != first.shape or r.stride() != (1,) or r.dtype != first.dtype
+                or r.untyped_storage().data_ptr() != storage or r.storage_offset() != off + i * v):
+            return None
+    return first.as_strided((len(rows), v), (v, 1), off)
+
+
 def _input_ids(request: Request, seq: ScheduledSeq) -> list[int]:
     """The tokens a row computes: known tokens, then (speculative decode) the proposals."""
     stop = seq.context_len - seq.num_spec_tokens
@@ -424,7 +438,10 @@ class ModelRunner:
         out.sample_ids = [s.request_id for s in batch.seqs if s.request_id in logits_by_id and not s.num_spec_tokens]
         out.spec_logits = {s.request_id: logits_by_id[s.request_id] for s in batch.seqs if s.num_spec_tokens}
         if out.sample_ids:
-            out.sample_logits = torch.stack([logits_by_id[rid] for rid in out.sample_ids])
+            rows = [logits_by_id[rid] for rid in out.sample_ids]
+            out.sample_logits = _consecutive_rows(rows)
+            if out.sample_logits is None:
+                out.sample_logits = torch.stack(rows)
         return out
 
     def _run_group(

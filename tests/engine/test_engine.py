@@ -185,3 +185,17 @@ def test_other_families_greedy_match(family, tmp_path) -> None:
     done = run_staggered(engine, ps, GREEDY)
     for i, p in enumerate(ps):
         assert done[i].output_token_ids == full_forward_greedy(model, p, 10), f"{family} prompt {i}"
+
+
+def test_sample_logits_are_the_rows_in_place_when_they_are_consecutive() -> None:
+    from firstlight.engine.runner import _consecutive_rows
+
+    logits = torch.randn(4, 7)
+    got = _consecutive_rows([logits[i] for i in range(4)])
+    assert got is not None and got.data_ptr() == logits.data_ptr() and torch.equal(got, logits)
+    assert torch.equal(_consecutive_rows([logits[1], logits[2]]), logits[1:3])
+    # another order, a gap, another tensor or a strided row: not one block of rows (the caller stacks them)
+    assert _consecutive_rows([logits[1], logits[0]]) is None
+    assert _consecutive_rows([logits[0], logits[2]]) is None
+    assert _consecutive_rows([logits[0], torch.randn(7)]) is None
+    assert _consecutive_rows([logits[:, 0], logits[:, 1]]) is None

@@ -100,11 +100,12 @@ def compare_compiled(model, tok, prompts, output_len: int, concurrency: int, rep
     return {"median": med, "runs": runs, "num_decode_compiles": graphs}
 
 
-def workload_bound(path: Path, num_requests: int, prompt_len: int, output_len: int, concurrency: int,
+def workload_bound(work: tuple, num_requests: int, prompt_len: int, output_len: int, concurrency: int,
                    rates: dict[int, float], bandwidth_gbs: float) -> dict:
     """Output tok/s no implementation can beat here for the workload: num_requests / c waves of servers.py's
-    closed-loop bound (c prompts, then output_len - 1 decode steps of batch c), fp32 weights and K/V."""
-    params, head_params, attn, _ = model_work(path)
+    closed-loop bound (c prompts, then output_len - 1 decode steps of batch c), fp32 weights and K/V.
+    work: servers.model_work's (matmul params, head params, attention shape, linear shapes)."""
+    params, head_params, attn, _ = work
     waves = num_requests / concurrency
     prefill_s, decode_s = bound_phases_s(4 * params, params, head_params, bandwidth_gbs, rates, concurrency,
                                          output_len, prompt_len, attn)
@@ -156,10 +157,10 @@ def main() -> None:
     num_params = sum(p.numel() for p in model.parameters())
     prompts_all = make_prompts(args.num_requests, args.prompt_len, cfg.vocab_size)
     run_engine(model, tok, prompts_all[:2], 4, 2)  # warm-up
-    shapes = model_work(path)[3]
+    work = model_work(path)
 
     def measured(c: int) -> tuple[float, dict[int, float]]:  # copy GB/s, the engine's fp32 GFLOP/s at M = 128 and c
-        return copy_bandwidth_gbs(), kernel_rates(tuple(sorted({PROMPT_LEN, c})), shapes, ("fp32",))["fp32"]
+        return copy_bandwidth_gbs(), kernel_rates(tuple(sorted({PROMPT_LEN, c})), work[3], ("fp32",))["fp32"]
 
     print(f"model {args.model}: {num_params / 1e6:.1f}M params fp32, threads={args.threads}, "
           f"prompt {args.prompt_len} / output {args.output_len}; each bound from the copy bandwidth and the engine's "
@@ -177,7 +178,7 @@ def main() -> None:
         bandwidth = (before[0] + after[0]) / 2
         rates = {m: (before[1][m] + after[1][m]) / 2 for m in before[1]}
         hf = None if args.skip_hf else run_hf(path, prompts, args.output_len, c)
-        bound = workload_bound(path, n, args.prompt_len, args.output_len, c, rates, bandwidth)
+        bound = workload_bound(work, n, args.prompt_len, args.output_len, c, rates, bandwidth)
         # 2 FLOPs per parameter per token (matmuls), prompt + output tokens, over the engine's wall time
         gflops = 2 * num_params * n * (args.prompt_len + args.output_len) / eng["wall_s"] / 1e9
         ratio = f"{eng['tok_s'] / hf['tok_s']:.2f}" if hf else "-"

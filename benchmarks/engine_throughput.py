@@ -113,22 +113,36 @@ def workload_bound(work: tuple, num_requests: int, prompt_len: int, output_len: 
             "prefill_s": waves * prefill_s, "decode_s": waves * decode_s, "weight_bytes": 4 * params}
 
 
-def run_hf(path: Path, prompts, output_len, batch_size) -> dict:
+def run_hf(path: Path, prompts, output_len, batch_size, device: torch.device | str = "cpu",
+           dtype: torch.dtype = torch.float32, warmup: bool = False) -> dict:
+    """HF `generate` over the prompts in static batches (warmup: one batch first, untimed)."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    device = torch.device(device)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
     pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
-    num_out = 0
-    t0 = time.perf_counter()
+
+    def generate(batch: list[list[int]]) -> int:
+        ids = torch.tensor(batch, device=device)  # equal lengths: no padding needed
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                          min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
+        return (out.shape[1] - ids.shape[1]) * out.shape[0]
+
     with torch.inference_mode():
-        for i in range(0, len(prompts), batch_size):
-            chunk = prompts[i : i + batch_size]  # equal lengths: no padding needed
-            ids = torch.tensor(chunk)
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
-                              min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
-            num_out += (out.shape[1] - ids.shape[1]) * out.shape[0]
+        if warmup:
+            generate(prompts[:batch_size])
+        sync(device)
+        t0 = time.perf_counter()
+        num_out = sum(generate(prompts[i : i + batch_size]) for i in range(0, len(prompts), batch_size))
+        sync(device)
     wall = time.perf_counter() - t0
-    return {"tok_s": num_out / wall, "wall_s": wall}
+    return {"tok_s": num_out / wall, "wall_s": wall, "num_out": num_out}
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA), so wall times cover it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def main() -> None:

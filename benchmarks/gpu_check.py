@@ -39,7 +39,7 @@ import traceback
 from pathlib import Path
 
 import torch
-from engine_throughput import make_prompts
+from engine_throughput import make_prompts, run_hf, sync
 
 
 def random_checkpoint(src: Path, dst: Path, dtype: torch.dtype, seed: int = 0) -> Path:
@@ -54,11 +54,6 @@ def random_checkpoint(src: Path, dst: Path, dtype: torch.dtype, seed: int = 0) -
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src), dtype=dtype)
     model.save_pretrained(dst)
     return dst
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def make_engine(model, tok, c: int, compiled: bool, device: torch.device):
@@ -114,28 +109,6 @@ def run_ours(path: Path, prompts, output_len: int, c: int, compiled: bool, devic
                   "decode_buckets_used": len(engine.runner.decode_shapes)}
 
 
-def run_hf(path: Path, prompts, output_len: int, c: int, device: torch.device, dtype: torch.dtype) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
-    pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
-
-    def generate(batch: list[list[int]]) -> int:
-        ids = torch.tensor(batch, device=device)
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
-                          min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
-        return (out.shape[1] - ids.shape[1]) * out.shape[0]
-
-    with torch.inference_mode():
-        generate(prompts[:c])  # warm-up (kernels, allocator)
-        sync(device)
-        t0 = time.perf_counter()
-        num_out = sum(generate(prompts[i : i + c]) for i in range(0, len(prompts), c))
-        sync(device)
-    wall = time.perf_counter() - t0
-    return {"tok_s": num_out / wall, "wall_s": wall, "num_out": num_out}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m", help="model name or checkpoint dir (config + tokenizer)")
@@ -177,9 +150,11 @@ def main() -> None:
     for c in args.concurrency:
         prompts = prompts_all[: args.num_requests_c1 if c == 1 else args.num_requests]
         row: dict = {"concurrency": c, "num_requests": len(prompts)}
-        for name, fn, extra in (("eager", run_ours, (False,)), ("compiled", run_ours, (True,)), ("hf", run_hf, ())):
+        runs = (("eager", run_ours, (False, device, dtype)), ("compiled", run_ours, (True, device, dtype)),
+                ("hf", run_hf, (device, dtype, True)))
+        for name, fn, extra in runs:
             try:
-                row[name] = fn(path, prompts, args.output_len, c, *extra, device, dtype)
+                row[name] = fn(path, prompts, args.output_len, c, *extra)
             except Exception as e:  # one failing path must not lose the others' figures
                 row[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
                 print(f"  c = {c} {name}: {row[name]['error']}", flush=True)

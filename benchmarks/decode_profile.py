@@ -7,7 +7,8 @@ wall time (Python, dispatch, scheduler, sampler) as overhead.
 
 Modes: eager = the model's modules op by op (`EngineConfig(native_decode=False)`); native = every layer in one
 firstlight::dense_decode call (engine/native_decode.py; its matmuls, attention and glue are one op to the
-profiler); compiled = `compile_decode=True`.
+profiler); compiled = `compile_decode=True`. A mode may name a KV-cache storage after a colon (`native:bf16`,
+`eager:fp16`: `--kv-cache-dtype`), so two caches run side by side in one process.
 --batch requests per mode (default 1; engines over the same model), prompts of 128 random ids,
 greedy with EOS ignored; each engine runs the prefill and 8 warm-up decode steps (the compiled one
 builds its graph there) before timed rounds that alternate between the modes. Op times are the
@@ -59,9 +60,11 @@ def make_engine(model, tok, args: argparse.Namespace, mode: str, total: int):
     from firstlight.engine.engine import EngineConfig, LLMEngine
     from firstlight.engine.request import SamplingParams
 
+    path, _, kv = mode.partition(":")
     engine = LLMEngine(model, tok, EngineConfig(block_size=16, num_blocks=64 + 32 * args.batch, max_num_seqs=args.batch,
-                                                compile_decode=mode == "compiled", native_decode=mode == "native"))
-    if mode == "native" and engine.runner.native_decode is None:
+                                                compile_decode=path == "compiled", native_decode=path == "native",
+                                                kv_cache_dtype=kv or "auto"))
+    if path == "native" and engine.runner.native_decode is None:
         raise SystemExit(f"native mode: the engine declined it ({engine.runner.native_decode_declined})")
     g = torch.Generator().manual_seed(0)
     for _ in range(args.batch):

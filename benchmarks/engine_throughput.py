@@ -41,7 +41,7 @@ def make_prompts(num: int, prompt_len: int, vocab: int, seed: int = 0) -> list[l
     return torch.randint(10, vocab - 10, (num, prompt_len), generator=g).tolist()
 
 
-def run_engine(model, tok, prompts, output_len, concurrency, compile_decode=False) -> dict:
+def run_engine(model, tok, prompts, output_len, concurrency, compile_decode=False, kv_cache_dtype="auto") -> dict:
     from firstlight.core.trace import Trace
     from firstlight.engine.engine import EngineConfig, LLMEngine
     from firstlight.engine.request import SamplingParams
@@ -50,7 +50,8 @@ def run_engine(model, tok, prompts, output_len, concurrency, compile_decode=Fals
     with tempfile.TemporaryDirectory() as d:
         trace_path = Path(d) / "trace.jsonl"
         cfg = EngineConfig(block_size=16, kv_cache_bytes=2 << 30, max_num_seqs=concurrency,
-                           max_num_batched_tokens=2048, compile_decode=compile_decode, trace_path=trace_path)
+                           max_num_batched_tokens=2048, compile_decode=compile_decode, trace_path=trace_path,
+                           kv_cache_dtype=kv_cache_dtype)
         engine = LLMEngine(model, tok, cfg)
         pending = list(prompts)
         num_out = 0
@@ -101,14 +102,14 @@ def compare_compiled(model, tok, prompts, output_len: int, concurrency: int, rep
 
 
 def workload_bound(work: tuple, num_requests: int, prompt_len: int, output_len: int, concurrency: int,
-                   rates: dict[int, float], bandwidth_gbs: float) -> dict:
+                   rates: dict[int, float], bandwidth_gbs: float, kv_bytes: int = 4) -> dict:
     """Output tok/s no implementation can beat here for the workload: num_requests / c waves of servers.py's
-    closed-loop bound (c prompts, then output_len - 1 decode steps of batch c), fp32 weights and K/V.
+    closed-loop bound (c prompts, then output_len - 1 decode steps of batch c), fp32 weights, K/V of kv_bytes.
     work: servers.model_work's (matmul params, head params, attention shape, linear shapes)."""
     params, head_params, attn, _ = work
     waves = num_requests / concurrency
     prefill_s, decode_s = bound_phases_s(4 * params, params, head_params, bandwidth_gbs, rates, concurrency,
-                                         output_len, prompt_len, attn)
+                                         output_len, prompt_len, attn, kv_bytes)
     return {"tok_s": num_requests * output_len / (waves * (prefill_s + decode_s)),
             "prefill_s": waves * prefill_s, "decode_s": waves * decode_s, "weight_bytes": 4 * params}
 
@@ -158,6 +159,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="also compare eager vs torch.compile'd decode")
     ap.add_argument("--compile-repeats", type=int, default=3, help="alternating eager/compiled runs per concurrency")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp16"],
+                    help="the engine's K/V storage (auto: fp32); the bound reads K/V of that size")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args()
 
@@ -177,7 +180,7 @@ def main() -> None:
         return copy_bandwidth_gbs(), kernel_rates(tuple(sorted({PROMPT_LEN, c})), work[3], ("fp32",))["fp32"]
 
     print(f"model {args.model}: {num_params / 1e6:.1f}M params fp32, threads={args.threads}, "
-          f"prompt {args.prompt_len} / output {args.output_len}; each bound from the copy bandwidth and the engine's "
+          f"prompt {args.prompt_len} / output {args.output_len}, K/V {args.kv_cache_dtype}; each bound from the copy bandwidth and the engine's "
           "fp32 GEMM rates over the model's linears, measured just before and just after its engine run (mean)")
     print(f"{'conc':>4} {'reqs':>4} {'engine tok/s':>13} {'HF tok/s':>9} {'ratio':>6} {'bound tok/s':>11} "
           f"{'eng %':>6} {'HF %':>5} {'sched ms':>9} {'exec ms':>8} {'sample ms':>9} {'decode exec ms':>14} "
@@ -187,12 +190,13 @@ def main() -> None:
         n = args.num_requests_c1 if (c == 1 and args.num_requests_c1) else args.num_requests
         prompts = prompts_all[:n]
         before = measured(c)
-        eng = run_engine(model, tok, prompts, args.output_len, c)
+        eng = run_engine(model, tok, prompts, args.output_len, c, kv_cache_dtype=args.kv_cache_dtype)
         after = measured(c)
         bandwidth = (before[0] + after[0]) / 2
         rates = {m: (before[1][m] + after[1][m]) / 2 for m in before[1]}
         hf = None if args.skip_hf else run_hf(path, prompts, args.output_len, c)
-        bound = workload_bound(work, n, args.prompt_len, args.output_len, c, rates, bandwidth)
+        bound = workload_bound(work, n, args.prompt_len, args.output_len, c, rates, bandwidth,
+                               4 if args.kv_cache_dtype == "auto" else 2)
         # 2 FLOPs per parameter per token (matmuls), prompt + output tokens, over the engine's wall time
         gflops = 2 * num_params * n * (args.prompt_len + args.output_len) / eng["wall_s"] / 1e9
         ratio = f"{eng['tok_s'] / hf['tok_s']:.2f}" if hf else "-"

@@ -5,6 +5,7 @@ same client (`firstlight bench run`), same workloads; every figure next to its r
 
 Servers (each optional; a missing one is reported with the reason and skipped):
   firstlight-{fp32,int8,int4,w4a8,w8a8}  `firstlight serve --quantization ...` (int8/w8a8: GPTQ, from its cache)
+  firstlight-{...}-kv16             the same with `--kv-cache-dtype fp16` (llama.cpp's default cache storage)
   hf-serve                          `transformers serve --continuous-batching` (fp32)
   llama-cpp                         llama-cpp-python's server on the GGUF `models pull` fetched (`make bench-peers`)
 
@@ -34,7 +35,7 @@ matmul params + the head's) / GEMM rate at M = 128 (only the last prompt token n
 first output token, so a request of n output tokens takes n - 1 decode steps. Attention is work too: its
 FLOPs (4 x heads x head dim per query per visible key and layer: q.k and p.v) go with the matmuls' at the same
 GEMM rate, and a decode step also reads every row's K and V (the server's KV element size: fp32 for ours and
-transformers', f16 for llama.cpp), each key counted up to the layer's window. Rates and bandwidth are
+transformers', f16 for llama.cpp and ours with `-kv16`), each key counted up to the layer's window. Rates and bandwidth are
 measured in this process with the same thread count: once before the servers start (the Poisson sweep's and
 old summaries' bounds), and just before and just after each single-stream and closed-loop run, whose bound
 uses the mean of those two (this machine's GEMM rate moved from 255 to 433 GFLOP/s at M = 128 within an hour:
@@ -218,12 +219,15 @@ def servers(args: argparse.Namespace, port: int) -> list[Server]:
     base = [PY, "-m", "firstlight.cli", "serve", "--model", args.model, "--host", "127.0.0.1", "--port", str(port),
             "--threads", str(args.threads), "--max-num-seqs", "32"]
     for fmt in ("fp32", "int8", "int4", "w4a8", "w8a8"):
-        if f"firstlight-{fmt}" not in args.servers and not (fmt == "fp32" and "hf-serve" in args.servers):
+        kv16 = f"firstlight-{fmt}-kv16" in args.servers  # the same with --kv-cache-dtype fp16
+        if f"firstlight-{fmt}" not in args.servers and not kv16 and not (fmt == "fp32" and "hf-serve" in args.servers):
             continue
         model, tok = load_model(path)
         apply_quantization(model, None if fmt == "fp32" else fmt, tokenizer=tok)  # GPTQ results come from cache
-        out.append(Server(f"firstlight-{fmt}", base + ["--quantization", "none" if fmt == "fp32" else fmt],
-                          args.model, fmt, model_weight_bytes(model)))
+        cmd = base + ["--quantization", "none" if fmt == "fp32" else fmt]
+        out.append(Server(f"firstlight-{fmt}", cmd, args.model, fmt, model_weight_bytes(model)))
+        out.append(Server(f"firstlight-{fmt}-kv16", cmd + ["--kv-cache-dtype", "fp16"], args.model, fmt,
+                          model_weight_bytes(model), kv_bytes=2))
         del model
     if "firstlight-int4-compiled" in args.servers:  # single stream and startup only (graphs built on first use)
         int4 = next(s for s in out if s.kernel == "int4") if any(s.kernel == "int4" for s in out) else None

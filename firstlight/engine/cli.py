@@ -36,8 +36,9 @@ def serve(
                                            "(default: the target's first --draft-layers layers)."),
     draft_layers: int | None = typer.Option(None, help="Self-speculative draft depth (default: a quarter of the layers)."),
     heads: str | None = typer.Option(None, help="--speculative heads: heads file (default: next to the model)."),
-    kv_cache_dtype: str = typer.Option("auto", help="KV-cache storage: auto (the model's dtype), int8 or fp8 "
-                                       "(codes + a scale per token and head; docs/QUANT.md)."),
+    kv_cache_dtype: str = typer.Option("auto", help="KV-cache storage: auto (the model's dtype), bf16 or fp16 "
+                                       "(half an fp32 model's bytes), int8 or fp8 (codes + a scale per token and "
+                                       "head; docs/QUANT.md)."),
     api_key: str | None = typer.Option(None, envvar="FIRSTLIGHT_API_KEY", show_envvar=True,
                                        help="Require 'Authorization: Bearer KEY' on /v1/* and admin routes."),
     allowed_hosts: str | None = typer.Option(None, help="Comma-separated Host header names accepted (e.g. "

@@ -44,7 +44,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     compile_decode: bool = False
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 | fp8 (firstlight/quant/kv.py)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | bf16 | fp16 | int8 | fp8 (firstlight/quant/kv.py)
     # sliding-window layers keep only their window's blocks (free the rest; mixed models get a second
     # block pool for them, engine/kv_groups.py); False: every layer keeps every block, as before
     free_out_of_window: bool = True

@@ -7,7 +7,7 @@ of a decode step (one new token per row) in C++: the same matmul and paged-atten
 glue as plain loops. The embedding and the LM head stay the model's own modules.
 
 It applies to models/dense.py's decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2) and models/gemma3.py's (Gemma 3:
-(1 + w) norms, norms of the sublayer outputs, tanh-GELU, a rope per layer type) in fp32 on CPU, with fp32 paged
+(1 + w) norms, norms of the sublayer outputs, tanh-GELU, a rope per layer type) in fp32 on CPU, with fp32, bf16 or fp16 paged
 pools and linears our kernels take: fp32 (nn.Linear / F32Linear), int4, w4a8, int8, int8 with int8 activations.
 `NativeDecode.build` returns (None, why) for anything else and the runner keeps the module path, so a family or a
 format it does not know still runs, and runs exactly as before.
@@ -105,8 +105,9 @@ class NativeDecode:
         cfg = model.config
         if cfg.hidden_act not in kernels.GATED_ACTS:
             return None, f"activation {cfg.hidden_act}"
-        if any(p.device.type != "cpu" for p in k_pools + v_pools) or any(p.dtype != torch.float32 for p in k_pools):
-            return None, "the KV pools are not fp32 on CPU"
+        if (any(p.device.type != "cpu" for p in k_pools + v_pools)
+                or any(p.dtype not in (torch.float32, torch.bfloat16, torch.float16) for p in k_pools)):
+            return None, "the KV pools are not fp32, bf16 or fp16 on CPU"
         kv_types = sorted(set(cfg.layer_types))
         tensors: list[torch.Tensor] = []
         final = _norm(model.norm)

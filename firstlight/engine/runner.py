@@ -18,6 +18,9 @@ and a parallel [slots, Hkv, 1] fp32 pool per attention layer holds one scale per
 model's recurrent state slots stay in their own dtypes. `update` quantizes the new K/V as it scatters
 them, and dequantizes what it gathers; the model's attention is unchanged. A block then costs (1 + 4/D) bytes per element instead of the model dtype's 2 or 4, so the
 same --kv-cache-gib holds about 3.8x (fp32 model) or 1.9x (bf16) the tokens at D = 64.
+`kv_cache_dtype="bf16"|"fp16"`: the pools hold K/V rounded to that 16-bit float (no scale): the store rounds,
+the gather widens to the model's dtype, and our decode attention and native step read the pools as they are
+(half the bytes of an fp32 model's cache per step).
 
 Speculative rows of hybrid models (recurrent layers): a forward with verify rows runs the delta rule
 token by token and keeps the recurrent state after every token (`keep_token_states`); after rejection
@@ -48,9 +51,9 @@ from firstlight.core.batch import Batch, ScheduledSeq
 from firstlight.engine.native_decode import NativeDecode
 from firstlight.engine.request import Request
 from firstlight.models.states import state_shapes
-from firstlight.quant.kv import KV_FORMATS, dequantize_kv, quantize_kv
+from firstlight.quant.kv import KV_CAST_FORMATS, KV_FORMATS, dequantize_kv, quantize_kv
 
-KV_CACHE_DTYPES = ("auto", *KV_FORMATS)
+KV_CACHE_DTYPES = ("auto", *KV_CAST_FORMATS, *KV_FORMATS)
 
 
 @dataclass
@@ -137,7 +140,7 @@ class PagedKVCache:
         shape = (*view.gather_slots.shape, num_kv_heads, head_dim)  # [B, L, Hkv, D]
         k_all = k_pool.index_select(0, flat).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
         v_all = v_pool.index_select(0, flat).view(shape).transpose(1, 2)
-        return k_all, v_all
+        return k_all.to(self.dtype), v_all.to(self.dtype)  # a 16-bit cache widened (else no copy)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor | str | None, scale: float) -> torch.Tensor | None:
@@ -213,12 +216,22 @@ class ExecuteOutput:
 
 
 def kv_format_of(kv_cache_dtype: str) -> str | None:
-    """None for the model's own dtype ("auto"), else a format of firstlight/quant/kv.py."""
+    """None for an unscaled cache (the model's own dtype, "auto", or a 16-bit float), else a scaled format of
+    firstlight/quant/kv.py."""
     from firstlight.errors import FirstlightError
 
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise FirstlightError(f"--kv-cache-dtype {kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
-    return None if kv_cache_dtype == "auto" else kv_cache_dtype
+    return kv_cache_dtype if kv_cache_dtype in KV_FORMATS else None
+
+
+def kv_pool_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The element type of the K/V pools: the codes' of a scaled format (fp8 codes moved as uint8 bytes), the
+    16-bit float's, or the model's."""
+    fmt = kv_format_of(kv_cache_dtype)
+    if fmt:
+        return torch.int8 if fmt == "int8" else torch.uint8
+    return KV_CAST_FORMATS.get(kv_cache_dtype, model_dtype)
 
 
 def _consecutive_rows(rows: list[torch.Tensor]) -> torch.Tensor | None:
@@ -342,7 +355,7 @@ class ModelRunner:
         self.scratch_slot = num_blocks * block_size
         kv_layers = set(cfg.kv_layers)
         self.kv_format = kv_format_of(kv_cache_dtype)
-        pool_dtype = (torch.int8 if self.kv_format == "int8" else torch.uint8) if self.kv_format else self.dtype
+        pool_dtype = kv_pool_dtype(kv_cache_dtype, self.dtype)
         sliding = {i for i in kv_layers if cfg.window(i)}
         self.window = cfg.sliding_window if sliding else None
         self.num_sliding_blocks = num_sliding_blocks if sliding else None
@@ -358,8 +371,10 @@ class ModelRunner:
                 return (slots + 1, *tail)
             return [self._pool(shape(i), dtype) for i in range(cfg.num_layers)]
 
-        # attention on our kernels (PagedKVCache.attend: decode over the pools in place), where they apply
-        self.paged_attention = (paged_attention and self.device.type == "cpu" and pool_dtype == torch.float32
+        # attention on our kernels (PagedKVCache.attend: decode over the pools in place), where they apply: an fp32
+        # model on CPU over fp32, bf16 or fp16 pools
+        self.paged_attention = (paged_attention and self.device.type == "cpu" and self.dtype == torch.float32
+                                and pool_dtype in (torch.float32, *KV_CAST_FORMATS.values())
                                 and kernels.load_kernel() is not None)
         self.k_pools = kv_pools((cfg.num_kv_heads, cfg.head_dim), pool_dtype)
         self.v_pools = kv_pools((cfg.num_kv_heads, cfg.head_dim), pool_dtype)
@@ -408,11 +423,11 @@ class ModelRunner:
     def kv_bytes_per_block(
         model: torch.nn.Module, block_size: int, kv_cache_dtype: str = "auto", layers: Sequence[int] | None = None
     ) -> int:
-        """K + V bytes of one block over `layers` (default: every layer with K/V; with a quantized cache:
-        codes + fp32 scales)."""
+        """K + V bytes of one block over `layers` (default: every layer with K/V; with a scaled cache: codes + fp32
+        scales)."""
         cfg = model.config
-        fmt = kv_format_of(kv_cache_dtype)
-        per_elem = 1.0 + 4.0 / cfg.head_dim if fmt else float(next(model.parameters()).element_size())
+        pool_dtype = kv_pool_dtype(kv_cache_dtype, next(model.parameters()).dtype)
+        per_elem = 1.0 + 4.0 / cfg.head_dim if kv_format_of(kv_cache_dtype) else float(pool_dtype.itemsize)
         num_layers = len(cfg.kv_layers if layers is None else layers)
         return int(2 * num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * per_elem)
 

@@ -55,9 +55,9 @@ def _run(model: str, quantization: str, corpus: str, max_tokens: int, window: in
     formats = _formats(quantization)
     for f in formats:  # fail on a bad format before loading anything
         if f.startswith("kv-"):
-            from firstlight.quant.kv import kv_format
+            from firstlight.quant.kv import check_kv_format
 
-            kv_format(f.removeprefix("kv-"))
+            check_kv_format(f.removeprefix("kv-"))
             continue
         get_format(f, **({"group_size": group_size} if f == "int4" else {}))
     path = hub.resolve(model)
@@ -95,7 +95,7 @@ def _run(model: str, quantization: str, corpus: str, max_tokens: int, window: in
 @app.command()
 def ppl(
     model: str = MODEL,
-    quantization: str = typer.Option("none", help="none, int8, int4, fp8, w8a8, kv-int8, kv-fp8 (KV cache), a comma list, or 'all'."),
+    quantization: str = typer.Option("none", help="none, int8, int4, fp8, w8a8, kv-int8, kv-fp8, kv-bf16, kv-fp16 (KV cache), a comma list, or 'all'."),
     corpus: str = CORPUS,
     max_tokens: int = MAX_TOKENS,
     window: int = WINDOW,
@@ -117,7 +117,7 @@ def ppl(
 @app.command("kl")
 def kl_cmd(
     model: str = MODEL,
-    quantization: str = typer.Option(..., help="int8, int4, fp8, w8a8, kv-int8, kv-fp8 (KV cache), a comma list, or 'all'."),
+    quantization: str = typer.Option(..., help="int8, int4, fp8, w8a8, kv-int8, kv-fp8, kv-bf16, kv-fp16 (KV cache), a comma list, or 'all'."),
     corpus: str = CORPUS,
     max_tokens: int = MAX_TOKENS,
     window: int = WINDOW,

@@ -6,7 +6,7 @@ engine/native_decode.py, and the one-pass norm, rope and gated activation a pref
 sampler's categorical draw); firstlight_kernels.h holds what they share.
 
 `torch.utils.cpp_extension.load` compiles them into `$FIRSTLIGHT_HOME/kernels/<name>` (-O3 -fopenmp, plus
--mavx2 -mfma when torch reports an AVX2 CPU, and the AVX-512 VNNI flags when the CPU has them: ISA
+-mavx2 -mfma -mf16c when torch reports an AVX2 CPU, and the AVX-512 VNNI flags when the CPU has them: ISA
 avx512vnni) and loads the torch ops `firstlight::int4_mm`, `int8_mm`, `f32_mm`, `paged_decode_attention`,
 `attention`, `dense_decode`, ... (registered in C++ with TORCH_LIBRARY, so an eager call costs one dispatcher
 hop, not a Python one; `register_fake` here gives torch.compile their shapes, so a compiled decode keeps each
@@ -102,7 +102,7 @@ def _build() -> str:
     # -fopenmp: at::parallel_for is a header template that runs its body serially unless the including source is
     # compiled with OpenMP; the .so then links libgomp.so.1, the runtime torch already loaded (one thread pool,
     # torch.set_num_threads applies). Without it every kernel here ran on one core whatever the thread count.
-    flags = ["-O3", "-fopenmp"] + (["-mavx2", "-mfma"] if isa != "scalar" else [])
+    flags = ["-O3", "-fopenmp"] + (["-mavx2", "-mfma", "-mf16c"] if isa != "scalar" else [])
     if isa == "avx512vnni":  # the VNNI layout's kernel (int4_vnni.cpp); the rest stays on its AVX2 paths
         flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mprefer-vector-width=256"]
     tag = hashlib.sha256(("".join(p.read_text() for p in (*SOURCES, *HEADERS)) + " ".join(flags)).encode()).hexdigest()[:10]

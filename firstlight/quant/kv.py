@@ -1,5 +1,6 @@
 """Quantized KV cache: K and V stored as int8 or FP8 E4M3 with one fp32 scale per (token, head),
-dequantized when attention reads them.
+dequantized when attention reads them; or as a 16-bit float (bf16, fp16: rounded to nearest, no scale), the
+storage llama.cpp's server uses by default (`-ctk f16`) under an fp32 model.
 
 The scale covers the D values of one head of one token, so a token's entry never changes once
 written and needs no calibration: a paged cache stores `q` in its blocks and `scale` in a parallel
@@ -24,9 +25,23 @@ KV_FORMATS: dict[str, tuple[torch.dtype, float]] = {
 }
 
 
+# name -> storage dtype of the 16-bit float formats: a value rounded to the nearest as torch's `.to()` rounds it,
+# widened back to the model's dtype as attention reads it; 2 bytes per cached element
+KV_CAST_FORMATS: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_kv_format(name: str) -> None:
+    """Raise, naming the choices, unless `name` is a KV-cache format (scaled or 16-bit float)."""
+    if name not in KV_FORMATS and name not in KV_CAST_FORMATS:
+        choices = ", ".join((*KV_FORMATS, *KV_CAST_FORMATS))
+        raise QuantizationError(f"KV-cache format '{name}' is not one of: {choices} (or 'none')")
+
+
 def kv_format(name: str) -> tuple[torch.dtype, float]:
+    """(code dtype, largest code magnitude) of a scaled format."""
+    check_kv_format(name)
     if name not in KV_FORMATS:
-        raise QuantizationError(f"KV-cache format '{name}' is not one of: {', '.join(KV_FORMATS)} (or 'none')")
+        raise QuantizationError(f"KV-cache format '{name}' has no scale; its storage is {KV_CAST_FORMATS[name]}")
     return KV_FORMATS[name]
 
 
@@ -85,6 +100,30 @@ class QuantizedKVCache(ContiguousKVCache):
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+class CastKVCache(ContiguousKVCache):
+    """The ContiguousKVCache contract with K/V stored in a 16-bit float (KV_CAST_FORMATS); `update` returns them
+    widened to `dtype`, so the model's attention is unchanged."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        fmt: str = "bf16",
+    ) -> None:
+        check_kv_format(fmt)
+        super().__init__(num_layers, batch_size, num_kv_heads, head_dim, max_len, KV_CAST_FORMATS[fmt], device)
+        self.fmt, self.dtype = fmt, dtype
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k_all, v_all = super().update(layer, k, v)  # the slice assignment rounds to the storage dtype
+        return k_all.to(self.dtype), v_all.to(self.dtype)
+
+
 def make_kv_cache(
     kv_quantization: str | None,
     num_layers: int,
@@ -95,7 +134,10 @@ def make_kv_cache(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> KVCache:
-    """A contiguous cache for `generate`: plain when kv_quantization is None/'none', else quantized."""
+    """A contiguous cache for `generate`: plain when kv_quantization is None/'none', else quantized (scaled
+    codes) or stored as a 16-bit float."""
     if kv_quantization in (None, "none"):
         return ContiguousKVCache(num_layers, batch_size, num_kv_heads, head_dim, max_len, dtype, device)
+    if kv_quantization in KV_CAST_FORMATS:
+        return CastKVCache(num_layers, batch_size, num_kv_heads, head_dim, max_len, dtype, device, kv_quantization)
     return QuantizedKVCache(num_layers, batch_size, num_kv_heads, head_dim, max_len, dtype, device, kv_quantization)

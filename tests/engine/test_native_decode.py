@@ -80,6 +80,14 @@ def test_formats_same_tokens_and_logprobs(kernel_isa, fmt, tmp_path):  # noqa: F
     _same_with_and_without(model, tok, rounded_activations=fmt == "w4a8")
 
 
+@pytest.mark.parametrize("kv", ["bf16", "fp16"])
+def test_16_bit_cache_same_tokens_and_logprobs(kernel_isa, kv, tmp_path):  # noqa: F811
+    """--kv-cache-dtype bf16 / fp16: the native step rounds the new K/V into the pools as torch's store does and its
+    attention reads them in place; sliding and global layers (gemma3)."""
+    model, tok = load_model(write_tiny_checkpoint(tmp_path / "m", family="gemma3_text", seed=1))
+    _same_with_and_without(model, tok, kv_cache_dtype=kv)
+
+
 def test_declines_what_it_does_not_run(kernel_isa, tmp_path):  # noqa: F811
     moe, tok = load_model(write_tiny_checkpoint(tmp_path / "g", family="qwen3_moe", seed=1))
     engine = _engine(moe, tok, True)

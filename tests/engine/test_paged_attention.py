@@ -46,6 +46,26 @@ def test_equals_gather_and_sdpa(kernel_isa, heads, kv_heads, head_dim, masked): 
     assert torch.allclose(got, ref, atol=2e-6, rtol=1e-5), (got - ref).abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 1, 72), (5, 1, 16), (3, 3, 8)])
+def test_16_bit_pools_read_as_they_are(kernel_isa, dtype, heads, kv_heads, head_dim):  # noqa: F811
+    """bf16 / fp16 pools (--kv-cache-dtype): the kernel widens each element as it loads it; the result is the
+    fp32 kernel's on the same values widened first (and differs from the unrounded pools')."""
+    torch.manual_seed(head_dim)
+    batch, keys, nslots = 4, 29, 200
+    k32, v32 = torch.randn(nslots, kv_heads, head_dim), torch.randn(nslots, kv_heads, head_dim)
+    k_pool, v_pool = k32.to(dtype), v32.to(dtype)
+    slots = torch.stack([torch.randperm(nslots)[:keys] for _ in range(batch)])
+    q, mask = torch.randn(batch, heads, head_dim), torch.rand(batch, keys) < 0.8
+    mask[:, 0] = True
+    got = kernels.paged_decode_attention(q, k_pool, v_pool, slots, mask, head_dim ** -0.5)
+    ref = _reference(q, k_pool.float(), v_pool.float(), slots, mask, head_dim ** -0.5)
+    assert torch.allclose(got, ref, atol=2e-6, rtol=1e-5), (got - ref).abs().max()
+    assert (got - _reference(q, k32, v32, slots, mask, head_dim ** -0.5)).abs().max() > 1e-5
+    with pytest.raises(RuntimeError, match="fp32, bf16 or fp16"):  # K and V of two dtypes
+        kernels.paged_decode_attention(q, k_pool, v32, slots, mask, 1.0)
+
+
 def test_a_row_that_sees_no_key_gets_zeros(kernel_isa):  # noqa: F811
     torch.manual_seed(0)
     k_pool = v_pool = torch.randn(50, 2, 16)
@@ -132,6 +152,29 @@ def test_engine_tokens_and_logprobs_same_with_and_without(kernel_isa, family, tm
         engine = LLMEngine(model, tok, EngineConfig(block_size=4, num_blocks=128, max_num_batched_tokens=16,
                                                     paged_attention=paged))
         assert engine.runner.paged_attention is paged
+        outs[paged] = run_staggered(engine, ps, params)
+    for i in range(len(ps)):
+        assert outs[True][i].output_token_ids == outs[False][i].output_token_ids
+        lp_on = [lp.logprob for lp in outs[True][i].logprobs]
+        assert lp_on == pytest.approx([lp.logprob for lp in outs[False][i].logprobs], abs=1e-4)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp16"])
+def test_16_bit_cache_same_tokens_and_logprobs_with_and_without(kernel_isa, kv, tmp_path):  # noqa: F811
+    """A 16-bit cache: the kernels read the pools in place, the module path gathers and widens; both see the same
+    rounded K/V."""
+    from firstlight.models.loader import load_model
+    from firstlight.models.tiny import write_tiny_checkpoint
+
+    model, tok = load_model(write_tiny_checkpoint(tmp_path / "m", family="gemma3_text", seed=1))
+    ps = prompts(6, seed=3)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
+    outs = {}
+    for paged in (True, False):
+        engine = LLMEngine(model, tok, EngineConfig(block_size=4, num_blocks=128, max_num_batched_tokens=16,
+                                                    paged_attention=paged, kv_cache_dtype=kv, native_decode=False))
+        assert engine.runner.paged_attention is paged and engine.runner.k_pools[0].dtype == getattr(torch, {
+            "bf16": "bfloat16", "fp16": "float16"}[kv])
         outs[paged] = run_staggered(engine, ps, params)
     for i in range(len(ps)):
         assert outs[True][i].output_token_ids == outs[False][i].output_token_ids

@@ -22,6 +22,7 @@
 
 #include "firstlight_kernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -70,6 +71,16 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
                                  c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue()};
   op.callBoxed(&stack);
   return stack[0].toTensor();
+}
+
+// pool[off .. off + n) = x[0 .. n) in the pool's element type (bf16 / fp16 rounded to nearest even, as torch's .to())
+void store_kv(const float* x, void* pool, at::ScalarType kv, int64_t off, int64_t n) {
+  switch (kv) {
+    case at::kFloat: std::memcpy(static_cast<float*>(pool) + off, x, sizeof(float) * n); break;
+    case at::kBFloat16: std::copy(x, x + n, static_cast<c10::BFloat16*>(pool) + off); break;
+    case at::kHalf: std::copy(x, x + n, static_cast<c10::Half*>(pool) + off); break;
+    default: TORCH_CHECK(false, "firstlight::dense_decode: K/V pool of ", kv);
+  }
 }
 
 at::Tensor run_linear(const Plan& p, const Linear& l, const at::Tensor& x) {
@@ -304,10 +315,11 @@ int64_t dense_decode_plan(at::TensorList tensors, at::IntArrayRef ints, at::Arra
       lins[j]->bias = opt(lt[9 + 4 * j]);
     }
     const at::Tensor& kp = k_pools[l];
-    TORCH_CHECK(kp.scalar_type() == at::kFloat && kp.is_contiguous() && kp.dim() == 3 && kp.size(1) == p->Hkv &&
-                    kp.size(2) == p->D && v_pools[l].sizes() == kp.sizes() && v_pools[l].is_contiguous() &&
-                    v_pools[l].scalar_type() == at::kFloat,
-                "firstlight::dense_decode_plan: the pools of layer ", l, " must be contiguous fp32 [slots, Hkv, D]");
+    TORCH_CHECK(firstlight::kv_pool_type(kp.scalar_type()) && kp.is_contiguous() && kp.dim() == 3 &&
+                    kp.size(1) == p->Hkv && kp.size(2) == p->D && v_pools[l].sizes() == kp.sizes() &&
+                    v_pools[l].is_contiguous() && v_pools[l].scalar_type() == kp.scalar_type(),
+                "firstlight::dense_decode_plan: the pools of layer ", l,
+                " must be contiguous fp32, bf16 or fp16 [slots, Hkv, D] of one dtype");
     p->layers.push_back(std::move(layer));
     p->k_pools.push_back(kp);
     p->v_pools.push_back(v_pools[l]);
@@ -375,8 +387,9 @@ at::Tensor dense_decode(int64_t handle, const at::Tensor& x_in, const at::Tensor
     const at::Tensor qkv = run_linear(p, layer.qkv, h);  // [B, NQKV]
     TORCH_CHECK(qkv.size(1) == NQKV, "firstlight::dense_decode: qkv of layer ", li, " has ", qkv.size(1), " columns");
     float* qkvp = qkv.data_ptr<float>();
-    float* kpool = p.k_pools[li].data_ptr<float>();
-    float* vpool = p.v_pools[li].data_ptr<float>();
+    void* kpool = p.k_pools[li].data_ptr();
+    void* vpool = p.v_pools[li].data_ptr();
+    const at::ScalarType kv = p.k_pools[li].scalar_type();
     const int64_t nslots = p.k_pools[li].size(0), rot = cs[t].size(1);
     const int64_t* wsp = ws[t].data_ptr<int64_t>();
     rows(B, NQKV, [&](int64_t b) {
@@ -394,10 +407,10 @@ at::Tensor dense_decode(int64_t handle, const at::Tensor& x_in, const at::Tensor
       }
       const int64_t slot = wsp[b];
       TORCH_CHECK(slot >= 0 && slot < nslots, "firstlight::dense_decode: write slot ", slot, " outside the pool");
-      std::memcpy(kpool + slot * Hkv * D, k, sizeof(float) * Hkv * D);
-      std::memcpy(vpool + slot * Hkv * D, v, sizeof(float) * Hkv * D);
+      store_kv(k, kpool, kv, slot * Hkv * D, Hkv * D);
+      store_kv(v, vpool, kv, slot * Hkv * D, Hkv * D);
     });
-    firstlight::paged_attention_rows(qkvp, NQKV, B, H, D, kpool, vpool, nslots, Hkv, gs[t].data_ptr<int64_t>(),
+    firstlight::paged_attention_rows(qkvp, NQKV, B, H, D, kpool, vpool, kv, nslots, Hkv, gs[t].data_ptr<int64_t>(),
                                      gs[t].size(1), masks[t].data_ptr<bool>(), p.scale, attn.data_ptr<float>(), H * D);
     x.add_(normed(run_linear(p, layer.o, attn), layer.attn_out_norm, p.eps));
     rows(B, E, [&](int64_t b) { rmsnorm(xp + b * E, layer.post_norm.data_ptr<float>(), E, p.eps, hp + b * E); });

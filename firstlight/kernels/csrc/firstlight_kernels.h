@@ -45,10 +45,14 @@ void f32_block(const float* x, int64_t ldx, int64_t M, const float* w, int64_t l
 
 // paged_attention.cpp: out[b, h] (row stride ldo) = softmax over the visible keys of row b of
 // scale * q[b, h] . k, times v; q row b at q + b * ldq ([H, D] contiguous), keys/values at pools
-// [nslots, Hkv, D] rows slots[b * L + l], mask [B, L] (nullptr: all visible). Threads over (row, KV head).
-void paged_attention_rows(const float* q, int64_t ldq, int64_t B, int64_t H, int64_t D, const float* k_pool,
-                          const float* v_pool, int64_t nslots, int64_t Hkv, const int64_t* slots, int64_t L,
-                          const bool* mask, float scale, float* out, int64_t ldo);
+// [nslots, Hkv, D] of element type kv (kv_pool_type) rows slots[b * L + l], mask [B, L] (nullptr: all visible).
+// Threads over (row, KV head).
+void paged_attention_rows(const float* q, int64_t ldq, int64_t B, int64_t H, int64_t D, const void* k_pool,
+                          const void* v_pool, at::ScalarType kv, int64_t nslots, int64_t Hkv, const int64_t* slots,
+                          int64_t L, const bool* mask, float scale, float* out, int64_t ldo);
+
+// the K/V pool element types the paged kernels read and write: fp32, bf16, fp16
+inline bool kv_pool_type(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
 #ifdef __AVX2__
 // [sum(a0), sum(a1), sum(a2), sum(a3)]
@@ -97,6 +101,11 @@ struct F32x8 {
   static constexpr int kLanes = 8;
   static T zero() { return _mm256_setzero_ps(); }
   static T load(const float* p) { return _mm256_loadu_ps(p); }
+  // 8 bf16 / fp16 values widened to fp32 (bf16: its 16 bits are fp32's high half; fp16: F16C)
+  static T load_bf16(const void* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p))), 16));
+  }
+  static T load_f16(const void* p) { return _mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(p))); }
   static void store(float* p, T a) { _mm256_storeu_ps(p, a); }
   static T set1(float a) { return _mm256_set1_ps(a); }
   static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
@@ -124,6 +133,11 @@ struct F32x16 {
   static constexpr int kLanes = 16;
   static T zero() { return _mm512_setzero_ps(); }
   static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static T load_bf16(const void* p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i*>(p))), 16));
+  }
+  static T load_f16(const void* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(p))); }
   static void store(float* p, T a) { _mm512_storeu_ps(p, a); }
   static T set1(float a) { return _mm512_set1_ps(a); }
   static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }

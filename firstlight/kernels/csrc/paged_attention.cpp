@@ -11,10 +11,11 @@
 // (a padding row) gets zeros.
 //
 // Per (row, KV head): the visible keys' row pointers first; then the scores of up to 4 query heads per key
-// (each key vector loaded once for them, the sums of 4 heads reduced together) while the K and V rows 8 keys
-// ahead are prefetched; a softmax per head; then the values, NQ heads x a tile of the head dimension in
+// (each key vector loaded once for them, the sums of 4 heads reduced together) while the K and V rows 12 keys
+// ahead (24 in 16-bit pools) are prefetched; a softmax per head; then the values, NQ heads x a tile of the head dimension in
 // registers, each value vector loaded once for the NQ heads. 16 lanes where the build has AVX-512, 8 with
-// AVX2, scalar without.
+// AVX2, scalar without. The pools hold fp32, bf16 or fp16 (`kv_cache_dtype`): a key or value vector is widened
+// to fp32 as it is loaded (a shift for bf16, F16C's conversion for fp16), the arithmetic is fp32 either way.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -79,31 +80,50 @@ using firstlight::F32x8;
 using firstlight::F32xWide;
 using firstlight::hsum4;
 
-constexpr int64_t kAhead = 12;  // keys prefetched ahead (K and V rows: the value pass then reads V from cache)
+// keys prefetched ahead (K and V rows: the value pass then reads V from cache): 12 fp32 rows, and as many bytes of
+// 16-bit rows (24; measured at 12 / 24 / 36 / 48 keys, 16 rows x 1024 keys: 17.2 / 14.5 / 15.2 / 15.4 ms)
+template <class E>
+constexpr int64_t kAhead = 12 * 4 / static_cast<int64_t>(sizeof(E));
 
-inline void prefetch_row(const float* r, int64_t D) {
-  for (int64_t off = 0; off < D; off += 16) _mm_prefetch(reinterpret_cast<const char*>(r + off), _MM_HINT_T0);
+template <class E>
+inline void prefetch_row(const E* r, int64_t D) {
+  const char* c = reinterpret_cast<const char*>(r);
+  for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(E)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+}
+
+// F's vector of fp32 from F::kLanes K/V elements of type E (fp32, bf16 or fp16)
+template <class F>
+inline typename F::T load_kv(const float* p) {
+  return F::load(p);
+}
+template <class F>
+inline typename F::T load_kv(const c10::BFloat16* p) {
+  return F::load_bf16(p);
+}
+template <class F>
+inline typename F::T load_kv(const c10::Half* p) {
+  return F::load_f16(p);
 }
 
 // p[j * n + i] = scale * q_j . k_i for NQ query heads (rows of q, stride D) and the n keys kr[i]; D % lanes == 0.
-template <class F, int NQ>
-void scores(const float* q, int64_t D, const float* const* kr, const float* const* vr, int64_t n, float scale,
-            float* p) {
+template <class F, int NQ, class E>
+void scores(const float* q, int64_t D, const E* const* kr, const E* const* vr, int64_t n, float scale, float* p) {
   const __m128 vs = _mm_set1_ps(scale);
   alignas(16) float r[4];
-  for (int64_t i = 0; i < std::min(n, kAhead); ++i) {
+  constexpr int64_t kAh = kAhead<E>;
+  for (int64_t i = 0; i < std::min(n, kAh); ++i) {
     prefetch_row(kr[i], D);
     prefetch_row(vr[i], D);
   }
   for (int64_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) {
-      prefetch_row(kr[i + kAhead], D);
-      prefetch_row(vr[i + kAhead], D);
+    if (i + kAh < n) {
+      prefetch_row(kr[i + kAh], D);
+      prefetch_row(vr[i + kAh], D);
     }
     typename F::T a[4] = {F::zero(), F::zero(), F::zero(), F::zero()};
-    const float* k = kr[i];
+    const E* k = kr[i];
     for (int64_t d = 0; d < D; d += F::kLanes) {
-      const typename F::T kv = F::load(k + d);
+      const typename F::T kv = load_kv<F>(k + d);
       for (int j = 0; j < NQ; ++j) a[j] = F::fma(F::load(q + j * D + d), kv, a[j]);
     }
     _mm_store_ps(r, _mm_mul_ps(vs, hsum4(F::half(a[0]), F::half(a[1]), F::half(a[2]), F::half(a[3]))));
@@ -113,15 +133,15 @@ void scores(const float* q, int64_t D, const float* const* kr, const float* cons
 
 // o_j[c0 .. c0 + CT vectors) = sum_i p[j * n + i] v_i for NQ heads: NQ x CT accumulators in registers, each
 // value vector loaded once for the NQ heads.
-template <class F, int NQ, int CT>
-void values_tile(const float* p, int64_t n, const float* const* vr, int64_t c0, float* o, int64_t D) {
+template <class F, int NQ, int CT, class E>
+void values_tile(const float* p, int64_t n, const E* const* vr, int64_t c0, float* o, int64_t D) {
   typename F::T a[NQ][CT];
   for (auto& row : a)
     for (auto& x : row) x = F::zero();
   for (int64_t i = 0; i < n; ++i) {
-    const float* v = vr[i] + c0;
+    const E* v = vr[i] + c0;
     typename F::T vv[CT];
-    for (int c = 0; c < CT; ++c) vv[c] = F::load(v + c * F::kLanes);
+    for (int c = 0; c < CT; ++c) vv[c] = load_kv<F>(v + c * F::kLanes);
     for (int j = 0; j < NQ; ++j) {
       const typename F::T pj = F::set1(p[j * n + i]);
       for (int c = 0; c < CT; ++c) a[j][c] = F::fma(pj, vv[c], a[j][c]);
@@ -131,44 +151,46 @@ void values_tile(const float* p, int64_t n, const float* const* vr, int64_t c0, 
     for (int c = 0; c < CT; ++c) F::store(o + j * D + c0 + c * F::kLanes, a[j][c]);
 }
 
-template <class F, int NQ>
-void values(const float* p, int64_t n, const float* const* vr, float* o, int64_t D) {
+template <class F, int NQ, class E>
+void values(const float* p, int64_t n, const E* const* vr, float* o, int64_t D) {
   // tiles of CT vectors while NQ x CT accumulators fit the registers (16 ymm / 32 zmm, less the loads)
   constexpr int CT = F::kLanes == 16 ? 4 : (NQ == 1 ? 8 : NQ == 2 ? 4 : NQ == 3 ? 3 : 2);
   int64_t c0 = 0;
-  for (; c0 + CT * F::kLanes <= D; c0 += CT * F::kLanes) values_tile<F, NQ, CT>(p, n, vr, c0, o, D);
-  for (; c0 < D; c0 += F::kLanes) values_tile<F, NQ, 1>(p, n, vr, c0, o, D);
+  for (; c0 + CT * F::kLanes <= D; c0 += CT * F::kLanes) values_tile<F, NQ, CT, E>(p, n, vr, c0, o, D);
+  for (; c0 < D; c0 += F::kLanes) values_tile<F, NQ, 1, E>(p, n, vr, c0, o, D);
 }
 
-template <class F>
-void attend_group(const float* q, int64_t nq, int64_t D, const float* const* kr, const float* const* vr, int64_t n,
+template <class F, class E>
+void attend_group(const float* q, int64_t nq, int64_t D, const E* const* kr, const E* const* vr, int64_t n,
                   float scale, float* p, float* o) {
   switch (nq) {
-    case 1: scores<F, 1>(q, D, kr, vr, n, scale, p); break;
-    case 2: scores<F, 2>(q, D, kr, vr, n, scale, p); break;
-    case 3: scores<F, 3>(q, D, kr, vr, n, scale, p); break;
-    default: scores<F, 4>(q, D, kr, vr, n, scale, p); break;
+    case 1: scores<F, 1, E>(q, D, kr, vr, n, scale, p); break;
+    case 2: scores<F, 2, E>(q, D, kr, vr, n, scale, p); break;
+    case 3: scores<F, 3, E>(q, D, kr, vr, n, scale, p); break;
+    default: scores<F, 4, E>(q, D, kr, vr, n, scale, p); break;
   }
   for (int64_t j = 0; j < nq; ++j) softmax(p + j * n, n);
   switch (nq) {
-    case 1: values<F, 1>(p, n, vr, o, D); break;
-    case 2: values<F, 2>(p, n, vr, o, D); break;
-    case 3: values<F, 3>(p, n, vr, o, D); break;
-    default: values<F, 4>(p, n, vr, o, D); break;
+    case 1: values<F, 1, E>(p, n, vr, o, D); break;
+    case 2: values<F, 2, E>(p, n, vr, o, D); break;
+    case 3: values<F, 3, E>(p, n, vr, o, D); break;
+    default: values<F, 4, E>(p, n, vr, o, D); break;
   }
 }
 #endif
 
 }  // namespace
 
-void firstlight::paged_attention_rows(const float* qp, int64_t ldq, int64_t B, int64_t H, int64_t D,
-                                      const float* kp, const float* vp, int64_t nslots, int64_t Hkv,
-                                      const int64_t* sp, int64_t L, const bool* mp, float scale, float* op,
-                                      int64_t ldo) {
+namespace {
+
+template <class E>
+void attention_rows(const float* qp, int64_t ldq, int64_t B, int64_t H, int64_t D, const E* kp, const E* vp,
+                    int64_t nslots, int64_t Hkv, const int64_t* sp, int64_t L, const bool* mp, float scale, float* op,
+                    int64_t ldo) {
   const int64_t G = H / Hkv;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> p(static_cast<size_t>(std::max<int64_t>(G, 4) * L));
-    std::vector<const float*> kr(static_cast<size_t>(L)), vr(static_cast<size_t>(L));
+    std::vector<const E*> kr(static_cast<size_t>(L)), vr(static_cast<size_t>(L));
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / Hkv, g = i % Hkv;
       const int64_t* rs = sp + b * L;
@@ -189,9 +211,9 @@ void firstlight::paged_attention_rows(const float* qp, int64_t ldq, int64_t B, i
         for (int64_t j0 = 0; j0 < G; j0 += 4) {
           const int64_t nq = std::min<int64_t>(4, G - j0);
           if (D % F32xWide::kLanes == 0)
-            attend_group<F32xWide>(q + j0 * D, nq, D, kr.data(), vr.data(), n, scale, p.data(), o + j0 * D);
+            attend_group<F32xWide, E>(q + j0 * D, nq, D, kr.data(), vr.data(), n, scale, p.data(), o + j0 * D);
           else
-            attend_group<F32x8>(q + j0 * D, nq, D, kr.data(), vr.data(), n, scale, p.data(), o + j0 * D);
+            attend_group<F32x8, E>(q + j0 * D, nq, D, kr.data(), vr.data(), n, scale, p.data(), o + j0 * D);
         }
         continue;
       }
@@ -200,13 +222,13 @@ void firstlight::paged_attention_rows(const float* qp, int64_t ldq, int64_t B, i
         float* pj = p.data() + j * n;
         for (int64_t l = 0; l < n; ++l) {
           float acc = 0.f;
-          for (int64_t d = 0; d < D; ++d) acc += q[j * D + d] * kr[l][d];
+          for (int64_t d = 0; d < D; ++d) acc += q[j * D + d] * static_cast<float>(kr[l][d]);
           pj[l] = scale * acc;
         }
         softmax(pj, n);
         for (int64_t d = 0; d < D; ++d) {
           float acc = 0.f;
-          for (int64_t l = 0; l < n; ++l) acc += pj[l] * vr[l][d];
+          for (int64_t l = 0; l < n; ++l) acc += pj[l] * static_cast<float>(vr[l][d]);
           o[j * D + d] = acc;
         }
       }
@@ -214,12 +236,35 @@ void firstlight::paged_attention_rows(const float* qp, int64_t ldq, int64_t B, i
   });
 }
 
+}  // namespace
+
+void firstlight::paged_attention_rows(const float* qp, int64_t ldq, int64_t B, int64_t H, int64_t D,
+                                      const void* kp, const void* vp, at::ScalarType kv, int64_t nslots, int64_t Hkv,
+                                      const int64_t* sp, int64_t L, const bool* mp, float scale, float* op,
+                                      int64_t ldo) {
+  switch (kv) {
+    case at::kFloat:
+      return attention_rows(qp, ldq, B, H, D, static_cast<const float*>(kp), static_cast<const float*>(vp), nslots,
+                            Hkv, sp, L, mp, scale, op, ldo);
+    case at::kBFloat16:
+      return attention_rows(qp, ldq, B, H, D, static_cast<const c10::BFloat16*>(kp),
+                            static_cast<const c10::BFloat16*>(vp), nslots, Hkv, sp, L, mp, scale, op, ldo);
+    case at::kHalf:
+      return attention_rows(qp, ldq, B, H, D, static_cast<const c10::Half*>(kp), static_cast<const c10::Half*>(vp),
+                            nslots, Hkv, sp, L, mp, scale, op, ldo);
+    default: TORCH_CHECK(false, "firstlight::paged_attention: K/V pools of ", kv, ": expected fp32, bf16 or fp16");
+  }
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                   const at::Tensor& slots, const c10::optional<at::Tensor>& mask, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "firstlight::paged_decode_attention q must be fp32 [B, H, D]");
-  TORCH_CHECK(k_pool.dim() == 3 && k_pool.scalar_type() == at::kFloat && k_pool.is_contiguous() &&
-                  v_pool.sizes() == k_pool.sizes() && v_pool.scalar_type() == at::kFloat && v_pool.is_contiguous(),
-              "firstlight::paged_decode_attention pools must be contiguous fp32 [slots, Hkv, D], equal shapes");
+  TORCH_CHECK(k_pool.dim() == 3 && firstlight::kv_pool_type(k_pool.scalar_type()) && k_pool.is_contiguous() &&
+                  v_pool.sizes() == k_pool.sizes() && v_pool.scalar_type() == k_pool.scalar_type() &&
+                  v_pool.is_contiguous(),
+              "firstlight::paged_decode_attention pools must be contiguous fp32, bf16 or fp16 [slots, Hkv, D], equal "
+              "shapes and dtypes; got ", k_pool.scalar_type(), " ", k_pool.sizes(), " and ", v_pool.scalar_type(), " ",
+              v_pool.sizes());
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_pool.size(1);
   TORCH_CHECK(k_pool.size(2) == D && Hkv > 0 && H % Hkv == 0, "firstlight::paged_decode_attention: q ", q.sizes(),
               " does not match pools ", k_pool.sizes());
@@ -230,8 +275,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
   if (mask.has_value()) mk = mask->to(at::kBool).reshape({B, L}).contiguous();
   const at::Tensor qc = q.contiguous(), sc = slots.contiguous();
   at::Tensor out = at::zeros({B, H, D}, q.options());
-  firstlight::paged_attention_rows(qc.data_ptr<float>(), H * D, B, H, D, k_pool.data_ptr<float>(),
-                                   v_pool.data_ptr<float>(), nslots, Hkv, sc.data_ptr<int64_t>(), L,
+  firstlight::paged_attention_rows(qc.data_ptr<float>(), H * D, B, H, D, k_pool.const_data_ptr(),
+                                   v_pool.const_data_ptr(), k_pool.scalar_type(), nslots, Hkv, sc.data_ptr<int64_t>(), L,
                                    mk.defined() ? mk.data_ptr<bool>() : nullptr, static_cast<float>(scale),
                                    out.data_ptr<float>(), H * D);
   return out;

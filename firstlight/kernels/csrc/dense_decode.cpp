@@ -9,7 +9,7 @@
 // then the final rmsnorm; [rmsnorm]: Gemma 3's norms of the attention and MLP outputs. Every norm is
 // w * (x / rms(x)); Gemma's (1 + w) comes in as that w. The matmuls are the same kernels the modules call (int4_mm, int4_mm_a8, int8_mm,
 // f32_mm: called here as C++ functions, no dispatcher); the glue (norms, rope, the K/V store, activation,
-// residual adds) is plain loops over the [B, *] rows. Why: in eager PyTorch the ~30 ops of glue per layer cost
+// residual adds, each add in one pass with the norm after it) is plain loops over the [B, *] rows. Why: in eager PyTorch the ~30 ops of glue per layer cost
 // more than the matmuls at batch 1 (a SmolLM2 int4 step: 15 ms of kernels, 29 ms of Python and dispatch).
 //
 // The weights are registered once (dense_decode_plan -> a handle, with the runner's pools) and each step
@@ -176,13 +176,22 @@ void rows(int64_t B, int64_t per_row, const Fn& fn) {
   });
 }
 
-// y [B, n], each row normed in place by w (a no-op for an undefined w)
-at::Tensor normed(at::Tensor y, const at::Tensor& w, float eps) {
-  if (!w.defined()) return y;
-  const int64_t n = y.size(1);
+// The residual add of a sublayer's output and the next norm, one pass over each row: x[b] += [rmsnorm by w_out](y[b])
+// (Gemma 3's norm of the sublayer output; none for an undefined w_out), then h[b] = rmsnorm(x[b]) by w. x, y, h:
+// [B, E] contiguous fp32 (y is overwritten). Same arithmetic as the norm, torch's add_ and the norm one after another.
+void add_norm(int64_t B, int64_t E, float* x, const at::Tensor& y, const at::Tensor& w_out, const float* w, float eps,
+              float* h) {
+  TORCH_CHECK(y.is_contiguous() && y.size(0) == B && y.size(1) == E, "firstlight::dense_decode: a sublayer output ",
+              y.sizes(), " is not [", B, ", ", E, "]");
   float* yp = y.data_ptr<float>();
-  rows(y.size(0), n, [&](int64_t b) { rmsnorm(yp + b * n, w.data_ptr<float>(), n, eps, yp + b * n); });
-  return y;
+  const float* wo = w_out.defined() ? w_out.data_ptr<float>() : nullptr;
+  rows(B, 2 * E, [&](int64_t b) {
+    float *xb = x + b * E, *yb = yp + b * E;
+    if (wo != nullptr) rmsnorm(yb, wo, E, eps, yb);
+#pragma omp simd
+    for (int64_t i = 0; i < E; ++i) xb[i] += yb[i];
+    rmsnorm(xb, w, E, eps, h + b * E);
+  });
 }
 
 }  // namespace
@@ -280,6 +289,7 @@ int64_t dense_decode_plan(at::TensorList tensors, at::IntArrayRef ints, at::Arra
   TORCH_CHECK(ints.size() >= kHead && (ints.size() - kHead) % kPerLayerInts == 0 && floats.size() == 2,
               "firstlight::dense_decode_plan: malformed ints/floats");
   const int64_t num_layers = (static_cast<int64_t>(ints.size()) - kHead) / kPerLayerInts;
+  TORCH_CHECK(num_layers > 0, "firstlight::dense_decode_plan: a model with no layers");
   TORCH_CHECK(static_cast<int64_t>(tensors.size()) == 1 + num_layers * kPerLayerTensors &&
                   static_cast<int64_t>(k_pools.size()) == num_layers && v_pools.size() == k_pools.size(),
               "firstlight::dense_decode_plan: expected ", 1 + num_layers * kPerLayerTensors, " tensors and ",
@@ -383,7 +393,8 @@ at::Tensor dense_decode(int64_t handle, const at::Tensor& x_in, const at::Tensor
     const Layer& layer = p.layers[li];
     const int64_t t = layer.type;
     TORCH_CHECK(t >= 0 && t < T, "firstlight::dense_decode: layer ", li, " has group ", t, " of ", T);
-    rows(B, E, [&](int64_t b) { rmsnorm(xp + b * E, layer.in_norm.data_ptr<float>(), E, p.eps, hp + b * E); });
+    if (li == 0)  // later layers' input norm runs with the residual add that ends the layer before
+      rows(B, E, [&](int64_t b) { rmsnorm(xp + b * E, layer.in_norm.data_ptr<float>(), E, p.eps, hp + b * E); });
     const at::Tensor qkv = run_linear(p, layer.qkv, h);  // [B, NQKV]
     TORCH_CHECK(qkv.size(1) == NQKV, "firstlight::dense_decode: qkv of layer ", li, " has ", qkv.size(1), " columns");
     float* qkvp = qkv.data_ptr<float>();
@@ -412,18 +423,18 @@ at::Tensor dense_decode(int64_t handle, const at::Tensor& x_in, const at::Tensor
     });
     firstlight::paged_attention_rows(qkvp, NQKV, B, H, D, kpool, vpool, kv, nslots, Hkv, gs[t].data_ptr<int64_t>(),
                                      gs[t].size(1), masks[t].data_ptr<bool>(), p.scale, attn.data_ptr<float>(), H * D);
-    x.add_(normed(run_linear(p, layer.o, attn), layer.attn_out_norm, p.eps));
-    rows(B, E, [&](int64_t b) { rmsnorm(xp + b * E, layer.post_norm.data_ptr<float>(), E, p.eps, hp + b * E); });
+    add_norm(B, E, xp, run_linear(p, layer.o, attn), layer.attn_out_norm, layer.post_norm.data_ptr<float>(), p.eps, hp);
     const at::Tensor gu = run_linear(p, layer.gate_up, h);  // [B, 2I]
     rows(B, 4 * I, [&](int64_t b) {  // the exp: ~4x a norm's work per element
       const float* g = gu.data_ptr<float>() + b * 2 * I;
       gated_act(g, g + I, I, p.act, act.data_ptr<float>() + b * I);
     });
-    x.add_(normed(run_linear(p, layer.down, act), layer.mlp_out_norm, p.eps));
+    // the residual add, then the next layer's input norm into h, or the final norm into the output
+    const bool last = li + 1 == p.layers.size();
+    const float* next_norm = last ? p.final_norm.data_ptr<float>() : p.layers[li + 1].in_norm.data_ptr<float>();
+    add_norm(B, E, xp, run_linear(p, layer.down, act), layer.mlp_out_norm, next_norm, p.eps, hp);
   }
-  at::Tensor out = at::empty({B, E}, x.options());
-  rows(B, E, [&](int64_t b) { rmsnorm(xp + b * E, p.final_norm.data_ptr<float>(), E, p.eps, out.data_ptr<float>() + b * E); });
-  return out;
+  return h;  // the final-normed rows
 }
 
 TORCH_LIBRARY_FRAGMENT(firstlight, lib) {

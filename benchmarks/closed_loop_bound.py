@@ -11,7 +11,8 @@ first decode rows too, as a server's steps do), decode = the rest. The bound is 
 (`bound_phases_s`: prompts at the M = 128 GEMM rate, each decode step max(bytes / copy bandwidth, FLOPs / the
 M = c rate), attention's FLOPs and K/V bytes counted), its rates and bandwidth measured in every round just
 before the run, so a slow phase of a shared machine moves both. --chunks A,B: engines with those
-max_num_batched_tokens, alternating within each round.
+max_num_batched_tokens, alternating within each round; --kv-cache-dtypes auto,fp16: engines with those K/V caches
+(each bound reads its K/V size), alternating the same way.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=142)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--chunks", default="2048", help="max_num_batched_tokens of each engine, comma-separated")
+    ap.add_argument("--kv-cache-dtypes", default="auto", help="K/V storage of each engine (auto, bf16, fp16)")
     ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -69,29 +71,32 @@ def main() -> None:
     model, tok = load(args.model, "float32", None if args.quantization == "none" else args.quantization)
     wb = model_weight_bytes(model)
     chunks = [int(x) for x in args.chunks.split(",")]
-    engines = {n: LLMEngine(model, tok, EngineConfig(max_num_seqs=c, max_num_batched_tokens=n)) for n in chunks}
+    kvs = args.kv_cache_dtypes.split(",")
+    engines = {(n, kv): LLMEngine(model, tok, EngineConfig(max_num_seqs=c, max_num_batched_tokens=n, kv_cache_dtype=kv))
+               for n in chunks for kv in kvs}
     vocab = model.config.vocab_size
-    for n, e in engines.items():  # warm-up: kernels built, oneDNN weights reordered, pools touched
+    for (n, _), e in engines.items():  # warm-up: kernels built, oneDNN weights reordered, pools touched
         run_once(e, c, args.prompt_len, 4, vocab, seed=10**9 + n)
     print(f"{args.model} {args.quantization} ({kernel} kernels), c = {c}, prompts {args.prompt_len}, "
           f"{args.output_len} output tokens, {args.threads} thread(s); weights {wb / 1e6:.0f} MB")
-    print("\n| round | chunk | copy GB/s | GEMM M=128 / M=c GFLOP/s | prefill s (bound) | decode s (bound) | "
+    print("\n| round | chunk | K/V | copy GB/s | GEMM M=128 / M=c GFLOP/s | prefill s (bound) | decode s (bound) | "
           "wall s (bound) | bound / wall | steps |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    runs: dict[int, list[tuple[float, float, float, float]]] = {n: [] for n in chunks}  # (prefill, decode, bounds)
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    runs: dict[tuple[int, str], list[tuple[float, float, float, float]]] = {k: [] for k in engines}  # (prefill, decode, bounds)
     for r in range(args.rounds):
-        for n, engine in engines.items():
+        for (n, kv), engine in engines.items():
             bw = copy_bandwidth_gbs()
             rate = kernel_rates(tuple(sorted({1, PROMPT_LEN, c})), shapes, (kernel,))[kernel]
-            bp, bd = bound_phases_s(wb, params, head_params, bw, rate, c, args.output_len, args.prompt_len, attn, 4)
+            bp, bd = bound_phases_s(wb, params, head_params, bw, rate, c, args.output_len, args.prompt_len, attn,
+                                    4 if kv == "auto" else 2)
             p, d, steps = run_once(engine, c, args.prompt_len, args.output_len, vocab, seed=r * 1000 + n)
-            runs[n].append((p, d, bp, bd))
-            print(f"| {r} | {n} | {bw:.1f} | {rate[PROMPT_LEN]:.0f} / {rate[c]:.0f} | {p:.3f} ({bp:.3f}) | {d:.3f} ({bd:.3f}) "
-                  f"| {p + d:.3f} ({bp + bd:.3f}) | {(bp + bd) / (p + d):.3f} | {steps} |", flush=True)
+            runs[n, kv].append((p, d, bp, bd))
+            print(f"| {r} | {n} | {kv} | {bw:.1f} | {rate[PROMPT_LEN]:.0f} / {rate[c]:.0f} | {p:.3f} ({bp:.3f}) | "
+                  f"{d:.3f} ({bd:.3f}) | {p + d:.3f} ({bp + bd:.3f}) | {(bp + bd) / (p + d):.3f} | {steps} |", flush=True)
     print()
-    for n, rs in runs.items():
+    for (n, kv), rs in runs.items():
         ratios = [(bp + bd) / (p + d) for p, d, bp, bd in rs]
-        print(f"chunk {n}: bound / wall median {statistics.median(ratios):.3f} (rounds: "
+        print(f"chunk {n}, K/V {kv}: bound / wall median {statistics.median(ratios):.3f} (rounds: "
               + ", ".join(f"{x:.3f}" for x in ratios) + f"); prefill {statistics.median(bp / p for p, _, bp, _ in rs):.3f}"
               f", decode {statistics.median(bd / d for _, d, _, bd in rs):.3f} of their bounds")
 

@@ -7,10 +7,11 @@
 //   slot ; a = paged attention(q) over the row's keys ; x += [rmsnorm](a W_o (+b))
 //   h = rmsnorm(x) ; [g | u] = h W_gu (+b) ; x += [rmsnorm]((act(g) * u) W_down (+b))
 // then the final rmsnorm; [rmsnorm]: Gemma 3's norms of the attention and MLP outputs. Every norm is
-// w * (x / rms(x)); Gemma's (1 + w) comes in as that w. The matmuls are the same kernels the modules call (int4_mm, int4_mm_a8, int8_mm,
-// f32_mm: called here as C++ functions, no dispatcher); the glue (norms, rope, the K/V store, activation,
-// residual adds, each add in one pass with the norm after it) is plain loops over the [B, *] rows. Why: in eager PyTorch the ~30 ops of glue per layer cost
-// more than the matmuls at batch 1 (a SmolLM2 int4 step: 15 ms of kernels, 29 ms of Python and dispatch).
+// w * (x / rms(x)); Gemma's (1 + w) comes in as that w. The matmuls are the same kernels the modules call (int4_mm,
+// int4_mm_a8, int8_mm, f32_mm: called here as C++ functions, no dispatcher); the glue (norms, rope, the K/V store
+// into fp32 / bf16 / fp16 pools, activation, residual adds, each add in one pass with the norm after it) is plain
+// loops over the [B, *] rows. Why: in eager PyTorch the ~30 ops of glue per layer cost more than the matmuls at
+// batch 1 (a SmolLM2 int4 step: 15 ms of kernels, 29 ms of Python and dispatch).
 //
 // The weights are registered once (dense_decode_plan -> a handle, with the runner's pools) and each step
 // passes only what changes: the embedded rows, positions, rope tables and the slots of each KV cache group.

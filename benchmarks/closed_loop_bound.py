@@ -63,6 +63,7 @@ def main() -> None:
 
     from firstlight.engine.engine import EngineConfig, LLMEngine
     from firstlight.engine.llm import load
+    from firstlight.engine.runner import kv_pool_dtype
     from firstlight.models import hub
     from firstlight.quant import model_weight_bytes
 
@@ -88,7 +89,7 @@ def main() -> None:
             bw = copy_bandwidth_gbs()
             rate = kernel_rates(tuple(sorted({1, PROMPT_LEN, c})), shapes, (kernel,))[kernel]
             bp, bd = bound_phases_s(wb, params, head_params, bw, rate, c, args.output_len, args.prompt_len, attn,
-                                    4 if kv == "auto" else 2)
+                                    kv_pool_dtype(kv, torch.float32).itemsize)
             p, d, steps = run_once(engine, c, args.prompt_len, args.output_len, vocab, seed=r * 1000 + n)
             runs[n, kv].append((p, d, bp, bd))
             print(f"| {r} | {n} | {kv} | {bw:.1f} | {rate[PROMPT_LEN]:.0f} / {rate[c]:.0f} | {p:.3f} ({bp:.3f}) | "

@@ -166,6 +166,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from firstlight.engine.llm import load
+    from firstlight.engine.runner import kv_pool_dtype
     from firstlight.models.hub import resolve
 
     path = resolve(args.model)
@@ -196,7 +197,7 @@ def main() -> None:
         rates = {m: (before[1][m] + after[1][m]) / 2 for m in before[1]}
         hf = None if args.skip_hf else run_hf(path, prompts, args.output_len, c)
         bound = workload_bound(work, n, args.prompt_len, args.output_len, c, rates, bandwidth,
-                               4 if args.kv_cache_dtype == "auto" else 2)
+                               kv_pool_dtype(args.kv_cache_dtype, torch.float32).itemsize)
         # 2 FLOPs per parameter per token (matmuls), prompt + output tokens, over the engine's wall time
         gflops = 2 * num_params * n * (args.prompt_len + args.output_len) / eng["wall_s"] / 1e9
         ratio = f"{eng['tok_s'] / hf['tok_s']:.2f}" if hf else "-"

@@ -39,8 +39,8 @@ def check_kv_format(name: str) -> None:
 
 def kv_format(name: str) -> tuple[torch.dtype, float]:
     """(code dtype, largest code magnitude) of a scaled format."""
-    check_kv_format(name)
     if name not in KV_FORMATS:
+        check_kv_format(name)  # an unknown name: the error names every format
         raise QuantizationError(f"KV-cache format '{name}' has no scale; its storage is {KV_CAST_FORMATS[name]}")
     return KV_FORMATS[name]
 
@@ -101,27 +101,12 @@ class QuantizedKVCache(ContiguousKVCache):
 
 
 class CastKVCache(ContiguousKVCache):
-    """The ContiguousKVCache contract with K/V stored in a 16-bit float (KV_CAST_FORMATS); `update` returns them
-    widened to `dtype`, so the model's attention is unchanged."""
-
-    def __init__(
-        self,
-        num_layers: int,
-        batch_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        max_len: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        fmt: str = "bf16",
-    ) -> None:
-        check_kv_format(fmt)
-        super().__init__(num_layers, batch_size, num_kv_heads, head_dim, max_len, KV_CAST_FORMATS[fmt], device)
-        self.fmt, self.dtype = fmt, dtype
+    """A ContiguousKVCache whose storage dtype (a 16-bit float of KV_CAST_FORMATS) is not the model's: `update`
+    returns K/V widened back to the dtype they came in, so the model's attention is unchanged."""
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k_all, v_all = super().update(layer, k, v)  # the slice assignment rounds to the storage dtype
-        return k_all.to(self.dtype), v_all.to(self.dtype)
+        return k_all.to(k.dtype), v_all.to(v.dtype)
 
 
 def make_kv_cache(
@@ -139,5 +124,6 @@ def make_kv_cache(
     if kv_quantization in (None, "none"):
         return ContiguousKVCache(num_layers, batch_size, num_kv_heads, head_dim, max_len, dtype, device)
     if kv_quantization in KV_CAST_FORMATS:
-        return CastKVCache(num_layers, batch_size, num_kv_heads, head_dim, max_len, dtype, device, kv_quantization)
+        storage = KV_CAST_FORMATS[kv_quantization]
+        return CastKVCache(num_layers, batch_size, num_kv_heads, head_dim, max_len, storage, device)
     return QuantizedKVCache(num_layers, batch_size, num_kv_heads, head_dim, max_len, dtype, device, kv_quantization)

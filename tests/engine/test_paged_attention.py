@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from firstlight import kernels
 from firstlight.engine.engine import EngineConfig, LLMEngine
 from firstlight.engine.request import SamplingParams
+from firstlight.quant.kv import KV_CAST_FORMATS
 
 from ..quant.test_int4_kernel import kernel_isa  # noqa: F401 - fixture
 from .test_engine import GREEDY, prompts, run_staggered
@@ -173,8 +174,7 @@ def test_16_bit_cache_same_tokens_and_logprobs_with_and_without(kernel_isa, kv, 
     for paged in (True, False):
         engine = LLMEngine(model, tok, EngineConfig(block_size=4, num_blocks=128, max_num_batched_tokens=16,
                                                     paged_attention=paged, kv_cache_dtype=kv, native_decode=False))
-        assert engine.runner.paged_attention is paged and engine.runner.k_pools[0].dtype == getattr(torch, {
-            "bf16": "bfloat16", "fp16": "float16"}[kv])
+        assert engine.runner.paged_attention is paged and engine.runner.k_pools[0].dtype == KV_CAST_FORMATS[kv]
         outs[paged] = run_staggered(engine, ps, params)
     for i in range(len(ps)):
         assert outs[True][i].output_token_ids == outs[False][i].output_token_ids

@@ -390,12 +390,12 @@ at::Tensor dense_decode(int64_t handle, const at::Tensor& x_in, const at::Tensor
   at::Tensor act = at::empty({B, I}, x.options());
   float* xp = x.data_ptr<float>();
   float* hp = h.data_ptr<float>();
+  // the first layer's input norm; every later one runs with the residual add that ends the layer before it
+  rows(B, E, [&](int64_t b) { rmsnorm(xp + b * E, p.layers[0].in_norm.data_ptr<float>(), E, p.eps, hp + b * E); });
   for (size_t li = 0; li < p.layers.size(); ++li) {
     const Layer& layer = p.layers[li];
     const int64_t t = layer.type;
     TORCH_CHECK(t >= 0 && t < T, "firstlight::dense_decode: layer ", li, " has group ", t, " of ", T);
-    if (li == 0)  // later layers' input norm runs with the residual add that ends the layer before
-      rows(B, E, [&](int64_t b) { rmsnorm(xp + b * E, layer.in_norm.data_ptr<float>(), E, p.eps, hp + b * E); });
     const at::Tensor qkv = run_linear(p, layer.qkv, h);  // [B, NQKV]
     TORCH_CHECK(qkv.size(1) == NQKV, "firstlight::dense_decode: qkv of layer ", li, " has ", qkv.size(1), " columns");
     float* qkvp = qkv.data_ptr<float>();

@@ -1,13 +1,14 @@
-"""fp32 linears: firstlight::f32_mm (kernels/csrc/f32_gemm.cpp) vs torch's F.linear (the BLAS torch ships:
-MKL here) vs oneDNN's matmul on weights reordered once (torch.ops.mkldnn._linear_pointwise, what F32Linear
-runs above `onednn_min_rows()`, quant/f32.py) over one decode step's weights of SmolLM2-135M (30 layers x
-qkv/o/gate_up/down, then the tied 49152 x 576 head), cold: each weight is used once per pass, as in a
-decode step, so it streams from memory.
+"""fp32 linears: firstlight::f32_mm_packed on weights packed once into panels (kernels/csrc/f32_gemm.cpp, what
+F32Linear runs on an AVX-512 build) vs firstlight::f32_mm's tiles on the weights in place vs torch's F.linear (the
+BLAS torch ships: MKL here) vs oneDNN's matmul on weights reordered once (torch.ops.mkldnn._linear_pointwise,
+what F32Linear runs above `onednn_min_rows()` elsewhere, quant/f32.py) over one decode step's weights of
+SmolLM2-135M (30 layers x qkv/o/gate_up/down, then the tied 49152 x 576 head), cold: each weight is used once per
+pass, as in a decode step, so it streams from memory.
 
     PYTHONPATH=. .venv/bin/python benchmarks/f32_gemm.py --threads 2
     PYTHONPATH=. .venv/bin/python benchmarks/f32_gemm.py --threads 1 --ms 1,2,4,8,16,32,64
 
-Per M: the median over --repeats rounds of one pass each (the three alternate inside a round, so load from
+Per M: the median over --repeats rounds of one pass each (the four alternate inside a round, so load from
 other processes hits all). Bound of a pass: max(weight bytes / read bandwidth, FLOPs / GEMM rate), both
 measured in this run: the read bandwidth is a sum over a 256 MiB tensor, the GEMM rate the better of torch.mm
 and oneDNN at [1024, 1024] x [1024, 1024] (hot, near the FMA peak of the ISA each uses: MKL runs AVX2 code
@@ -49,6 +50,7 @@ def main() -> None:
     wbytes = sum(w.numel() * 4 for w in weights)
     onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     reordered = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights] if onednn else []
+    panels = [(kernels.f32_pack(w), w.shape[0]) for w in weights]
 
     def onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
@@ -60,27 +62,27 @@ def main() -> None:
     print(f"{args.threads} thread(s); one pass = {len(weights)} linears, {wbytes / 1e6:.0f} MB fp32 weights; "
           f"read bandwidth {bw:.1f} GB/s, GEMM {peak:.0f} GFLOP/s; load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
-    print(f"{'M':>4} | {'torch F.linear ms':>17} | {'ours ms':>8} | {'oneDNN ms':>9} | {'bound ms':>8} | ours vs torch | "
-          "oneDNN vs torch | best GFLOP/s | best GB/s")
+    print(f"{'M':>4} | {'torch F.linear ms':>17} | {'tiles ms':>8} | {'oneDNN ms':>9} | {'panels ms':>9} | "
+          f"{'bound ms':>8} | panels vs oneDNN | panels GFLOP/s | panels GB/s")
     for m in (int(s) for s in args.ms.split(",")):
         xs = [torch.randn(m, w.shape[1]) for w in weights]
         flops = sum(2 * m * w.numel() for w in weights)
-        times: dict[str, list[float]] = {"torch": [], "ours": [], "onednn": []}
-        fns = {"torch": (lambda x, w: torch.nn.functional.linear(x, w), weights), "ours": (kernels.f32_mm, weights)}
+        fns = {"torch": (lambda x, w: torch.nn.functional.linear(x, w), weights), "tiles": (kernels.f32_mm, weights),
+               "panels": (lambda x, pn: kernels.f32_mm_packed(x, *pn), panels)}
         if onednn:
             fns["onednn"] = (onednn_linear, reordered)
+        times: dict[str, list[float]] = {name: [] for name in fns}
         for _ in range(args.repeats):
             for name, (fn, ws) in fns.items():
                 t0 = time.perf_counter()
                 for x, w in zip(xs, ws, strict=True):
                     fn(x, w)
                 times[name].append(time.perf_counter() - t0)
-        ref, ours = statistics.median(times["torch"]), statistics.median(times["ours"])
+        ref, tiles, pan = (statistics.median(times[name]) for name in ("torch", "tiles", "panels"))
         dnn = statistics.median(times["onednn"]) if onednn else float("nan")
-        best = min(ours, dnn) if onednn else ours
         bound = max(wbytes / bw / 1e9, flops / peak / 1e9)
-        print(f"{m:>4} | {1e3 * ref:>17.1f} | {1e3 * ours:>8.1f} | {1e3 * dnn:>9.1f} | {1e3 * bound:>8.1f} | "
-              f"{ref / ours:>12.2f}x | {ref / dnn:>14.2f}x | {flops / best / 1e9:>12.1f} | {wbytes / best / 1e9:>9.1f}")
+        print(f"{m:>4} | {1e3 * ref:>17.1f} | {1e3 * tiles:>8.1f} | {1e3 * dnn:>9.1f} | {1e3 * pan:>9.1f} | "
+              f"{1e3 * bound:>8.1f} | {dnn / pan:>15.2f}x | {flops / pan / 1e9:>14.1f} | {wbytes / pan / 1e9:>11.1f}")
 
 if __name__ == "__main__":
     main()

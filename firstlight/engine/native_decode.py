@@ -39,7 +39,7 @@ from firstlight.quant.int8 import Int8WeightOnlyLinear
 if TYPE_CHECKING:
     from firstlight.engine.runner import PagedKVCache
 
-F32, INT4, INT4_A8, INT8, INT8_A8 = range(5)  # dense_decode.cpp Kind
+F32, INT4, INT4_A8, INT8, INT8_A8, F32_PANELS = range(6)  # dense_decode.cpp Kind
 _NONE = torch.empty(0)
 
 
@@ -51,8 +51,10 @@ def _linear(module: nn.Module) -> tuple[int, int, list[torch.Tensor]] | str:
         w = module.weight
         if w.dtype != torch.float32 or not w.is_contiguous():
             return f"{type(module).__name__} weight is {w.dtype}, not contiguous fp32"
-        reordered = module.reordered() if type(module) is F32Linear and onednn_min_rows() is not None else None
-        return F32, 0, [w.detach(), _NONE if reordered is None else reordered, _NONE, bias]
+        prepared = module.prepared() if type(module) is F32Linear else None
+        if prepared is not None and kernels.f32_panels():  # f32_pack's panels; the group field holds N
+            return F32_PANELS, module.out_features, [prepared, _NONE, _NONE, bias]
+        return F32, 0, [w.detach(), _NONE if prepared is None else prepared, _NONE, bias]
     if type(module) is Int4WeightOnlyLinear and module.ours:
         kind = INT4_A8 if module.activations == "int8" else INT4
         return kind, module.group_size, [module.packed, module.scales, module.mins, bias]

@@ -53,6 +53,10 @@ A8_MAX_TILED_M = 16
 INT8_MAX_TILED_M = 64
 # f32_mm: up to this many rows our tiles beat the BLAS on cold weights (benchmarks/f32_gemm.py); above, at::mm
 F32_MAX_TILED_M = 32
+# The builds whose fp32 linears run on f32_mm_packed's panels at every row count (quant/f32.py): its micro-kernel
+# is AVX-512's; elsewhere f32_mm's tiles and oneDNN stay (the packed op still runs there, portably, for tests)
+F32_PANEL_ISAS = ("avx512vnni",)
+F32_PANEL = 32  # output columns per panel of f32_pack's layout
 
 _state: dict[str, object] = {}
 _fakes: list[bool] = []  # register_fake once per process, however often the load is re-decided
@@ -138,6 +142,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("firstlight::f32_mm")
     def _(x, w, bias, max_tiled_m):  # noqa: ANN001, ANN202
         return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+
+    @torch.library.register_fake("firstlight::f32_pack")
+    def _(w):  # noqa: ANN001, ANN202
+        return w.new_empty(((w.shape[0] + F32_PANEL - 1) // F32_PANEL, w.shape[1], F32_PANEL))
+
+    @torch.library.register_fake("firstlight::f32_mm_packed")
+    def _(x, packed, n, bias):  # noqa: ANN001, ANN202
+        return x.new_empty((x.shape[0], n))
 
     @torch.library.register_fake("firstlight::gated_act")
     def _(gate_up, act):  # noqa: ANN001, ANN202
@@ -262,6 +274,21 @@ def f32_mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 
 
 GATED_ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}  # dense_decode.cpp Act
+
+
+def f32_pack(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] fp32 in panels of 32 output columns, [ceil(N / 32), K, 32] (zero-padded): f32_mm_packed's layout."""
+    return torch.ops.firstlight.f32_pack(w)
+
+
+def f32_mm_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ w^T + bias in fp32, w given as f32_pack(w) of its N = n output rows."""
+    return torch.ops.firstlight.f32_mm_packed(x, packed, n, bias)
+
+
+def f32_panels() -> bool:
+    """True where fp32 linears run on f32_mm_packed at every row count (an AVX-512 build of the extension)."""
+    return load_kernel() in F32_PANEL_ISAS
 
 
 def gated_act(gate_up: torch.Tensor, act: str) -> torch.Tensor:

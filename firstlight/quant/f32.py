@@ -1,14 +1,16 @@
-"""fp32 linears on CPU through firstlight's own small-batch matmul (`firstlight::f32_mm`,
-kernels/csrc/f32_gemm.cpp) for decode-sized batches, and oneDNN's matmul (torch's mkldnn) on a weight
-reordered once into its blocked layout above them.
+"""fp32 linears on CPU through firstlight's own matmuls: on an AVX-512 build of the extension, one kernel on a
+copy of the weight packed once into panels of 32 output columns (`firstlight::f32_mm_packed`) at every row
+count; elsewhere our small-batch tiles on the weight in place (`firstlight::f32_mm`) for decode-sized batches and
+oneDNN's matmul (torch's mkldnn) on a weight reordered once into its blocked layout above them.
 
 Not a quantization: the weights stay the model's own fp32 tensors (shared, so a tied LM head stays tied and
 state_dict keys do not change); only the matmul that multiplies them changes, and only its summation order.
 Why: at 2..32 activation rows the BLAS packs every weight on every call (docs/PERFORMANCE.md, "fp32 at
 decode-sized batches"); above, torch's BLAS (MKL) runs its AVX2 code on AMD CPUs, while oneDNN picks the
-CPU's widest ISA: on an AVX-512 EPYC its matmul on a pre-reordered weight ran 2.2-2.9x MKL from 16 rows up
-(benchmarks/f32_gemm.py). The reordered copy is made at the first call that needs it (a prompt's prefill),
-costs the weight's size again, and is remade if the weight changes in place.
+CPU's widest ISA (2.2-2.9x MKL from 16 rows up on an AVX-512 EPYC); the packed panels beat oneDNN's matmul on
+cold weights at decode sizes (a decode step's 121 linears of SmolLM2-135M at 32 rows: 25.5 vs 34.6 ms) and tie
+it on a prefill's (benchmarks/f32_gemm.py). The prepared copy (panels or oneDNN's) is made at the first call that
+needs it, costs the weight's size again, and is remade if the weight changes in place.
 The serving engine's loader applies it (engine/llm.py `load`); FIRSTLIGHT_CPU_KERNELS=aten turns it off with
 the other kernels of the extension.
 """
@@ -26,9 +28,10 @@ from firstlight import kernels
 from firstlight.models.layers import ACTIVATIONS, Attention, GatedMLP, GemmaRMSNorm, RMSNorm
 
 _state: dict[str, int | None] = {}
-# F32Linear -> ((weight data_ptr, version), oneDNN's reordered copy): outside the module, so state_dict, .to(),
-# deepcopy and pickling never meet the opaque tensor (a copy makes its own at its first large call)
-_REORDERED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[int, int], torch.Tensor]] = weakref.WeakKeyDictionary()
+# F32Linear -> ((weight data_ptr, version, panels?), its prepared copy: f32_pack's panels or oneDNN's reordered
+# weight): outside the module, so state_dict, .to(), deepcopy and pickling never meet it (a copy makes its own)
+_PREPARED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[int, int, bool], torch.Tensor]] = (
+    weakref.WeakKeyDictionary())
 
 
 def onednn_min_rows() -> int | None:
@@ -65,39 +68,54 @@ def _on_kernel(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
 
 
 class F32Linear(nn.Linear):
-    """nn.Linear whose fp32 CPU products go through firstlight::f32_mm, and oneDNN above onednn_min_rows()
-    (the BLAS where oneDNN is missing or fails); with autograd recording (a tensor that requires grad), torch's
-    F.linear; inside torch.compile, f32_mm only (the graph keeps one op of ours, no reordered weight)."""
+    """nn.Linear whose fp32 CPU products go through firstlight::f32_mm_packed on an AVX-512 build, else
+    firstlight::f32_mm and oneDNN above onednn_min_rows() (the BLAS where oneDNN is missing or fails); with
+    autograd recording (a tensor that requires grad), torch's F.linear; inside torch.compile, f32_mm only (the
+    graph keeps one op of ours, no prepared copy)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _on_kernel(x, self.weight):
             return F.linear(x, self.weight, self.bias)  # the op has no backward: autograd keeps torch's
         x2 = x.reshape(-1, x.shape[-1])
-        min_rows = None if torch.compiler.is_compiling() else onednn_min_rows()
-        packed = self.reordered() if min_rows is not None and x2.shape[0] > min_rows else None
-        y = None
-        if packed is not None:
-            try:
-                y = onednn_linear(x2, packed, self.bias)
-            except RuntimeError as e:
-                _give_up_onednn(e)
+        y = None if torch.compiler.is_compiling() else self._on_prepared(x2)
         if y is None:
             y = kernels.f32_mm(x2, self.weight, self.bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
-    def reordered(self) -> torch.Tensor | None:
-        """oneDNN's copy of the weight, made now if missing or stale (the weight changed in place since; an
-        inference tensor, made under torch.inference_mode, has no version counter: only its storage is compared)."""
+    def _on_prepared(self, x2: torch.Tensor) -> torch.Tensor | None:
+        """x2's product on the prepared copy: the panels, or oneDNN above its row limit; None: f32_mm's tiles."""
+        if kernels.f32_panels():
+            return kernels.f32_mm_packed(x2, self.prepared(), self.out_features, self.bias)
+        min_rows = onednn_min_rows()
+        if min_rows is None or x2.shape[0] <= min_rows or (reordered := self.prepared()) is None:
+            return None
+        try:
+            return onednn_linear(x2, reordered, self.bias)
+        except RuntimeError as e:
+            _give_up_onednn(e)
+            return None
+
+    def prepared(self) -> torch.Tensor | None:
+        """The weight's copy for this machine's matmul, made now if missing or stale (the weight changed in place
+        since; an inference tensor, made under torch.inference_mode, has no version counter: only its storage is
+        compared): f32_pack's panels on an AVX-512 build, else oneDNN's reordered weight (None without oneDNN)."""
         w = self.weight
-        key = (w.data_ptr(), -1 if w.is_inference() else w._version)
-        got = _REORDERED.get(self)
+        panels = kernels.f32_panels()
+        key = (w.data_ptr(), -1 if w.is_inference() else w._version, panels)
+        got = _PREPARED.get(self)
         if got is None or got[0] != key:
-            try:
-                got = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
-            except RuntimeError as e:
-                _give_up_onednn(e)
+            if panels:
+                copy = kernels.f32_pack(w.detach())
+            elif onednn_min_rows() is None:
                 return None
-            _REORDERED[self] = got
+            else:
+                try:
+                    copy = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+                except RuntimeError as e:
+                    _give_up_onednn(e)
+                    return None
+            got = (key, copy)
+            _PREPARED[self] = got
         return got[1]
 
 
@@ -146,7 +164,7 @@ _GLUE = {RMSNorm: FusedRMSNorm, GemmaRMSNorm: FusedGemmaRMSNorm, Attention: Kern
 
 
 def use_f32_kernel(model: nn.Module) -> int:
-    """Route every plain fp32 nn.Linear of a CPU model through firstlight::f32_mm (and oneDNN, F32Linear), every
+    """Route every plain fp32 nn.Linear of a CPU model through our fp32 matmuls (F32Linear), every
     GatedMLP with a silu or tanh-GELU gate through firstlight::gated_act (fp32 CPU activations; whatever format its
     linears are in), and its RMSNorms and attention's rope through firstlight::rms_norm and rope (fp32 CPU, eager,
     without autograd; otherwise each falls back to its module's own forward); returns how many linears.

@@ -9,12 +9,14 @@ import gc
 import pytest
 import torch
 
+from firstlight import kernels
+from firstlight.engine import native_decode
 from firstlight.engine.engine import EngineConfig, LLMEngine
 from firstlight.engine.native_decode import NativeDecode
 from firstlight.engine.request import SamplingParams
 from firstlight.models.loader import load_model
 from firstlight.models.tiny import write_tiny_checkpoint
-from firstlight.quant.f32 import use_f32_kernel
+from firstlight.quant.f32 import F32Linear, use_f32_kernel
 from firstlight.quant.model import quantize_model
 
 from ..quant.test_int4_kernel import kernel_isa  # noqa: F401 - fixture
@@ -65,11 +67,21 @@ def test_families_same_tokens_and_logprobs(kernel_isa, family, tmp_path):  # noq
     _same_with_and_without(model, tok)
 
 
-def test_fp32_rows_on_onednn_same_tokens_and_logprobs(kernel_isa, tmp_path):  # noqa: F811
-    """As the server loads fp32 (F32Linear): 12 decode rows, above oneDNN's row limit where it is in use, so the
-    native step's linears call oneDNN's matmul on the reordered weights as the eager ones do."""
-    model, tok = load_model(write_tiny_checkpoint(tmp_path / "m", family="llama", seed=4))
+@pytest.mark.parametrize("matmul", ["panels", "onednn"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fp32_linears_as_served_same_tokens_and_logprobs(kernel_isa, matmul, family, tmp_path,  # noqa: F811
+                                                         monkeypatch):
+    """As the server loads fp32 (F32Linear): the native step's linears run on the prepared copies the eager ones
+    use, f32_pack's panels (an AVX-512 build) or oneDNN's reordered weights above its row limit (12 decode rows);
+    qwen2's q/k/v bias through each."""
+    if matmul == "onednn":
+        monkeypatch.setattr(kernels, "F32_PANEL_ISAS", ())
+    elif not kernels.f32_panels():
+        pytest.skip("not an AVX-512 build of the kernels: fp32 linears do not run on panels here")
+    model, tok = load_model(write_tiny_checkpoint(tmp_path / "m", family=family, seed=4))
     use_f32_kernel(model)
+    kinds = {native_decode._linear(m)[0] for m in model.modules() if isinstance(m, F32Linear)}
+    assert kinds == {native_decode.F32_PANELS if matmul == "panels" else native_decode.F32}
     _same_with_and_without(model, tok, num_prompts=12)
 
 

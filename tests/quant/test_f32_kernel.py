@@ -1,7 +1,8 @@
 """firstlight::f32_mm (kernels/csrc/f32_gemm.cpp): x @ w^T + bias in fp32 for every row count (tiles of 1-3
-rows x 4 output rows, the tails of N and K, the BLAS above the row limit), F32Linear as a drop-in nn.Linear
-(same parameters, tied head stays tied), oneDNN's matmul on a reordered weight above its row limit (remade
-when the weight changes in place), firstlight::gated_act for GatedMLP's act(gate) * up, firstlight::rms_norm and
+rows x 4 output rows, the tails of N and K, the BLAS above the row limit), firstlight::f32_mm_packed on f32_pack's
+panels (blocks of 1-12 rows, the tails of N, chunks of 192 rows), F32Linear as a drop-in nn.Linear (same
+parameters, tied head stays tied) on the panels of an AVX-512 build or oneDNN's matmul on a reordered weight above
+its row limit (either copy remade when the weight changes in place), firstlight::gated_act for GatedMLP's act(gate) * up, firstlight::rms_norm and
 rope for the norms and the attention's rotary embedding, off with the aten switch (one node under torch.compile:
 in test_int4_kernel.py with the other ops)."""
 
@@ -40,6 +41,18 @@ from firstlight.quant.f32 import (
 from .test_int4_kernel import kernel_isa, mode  # noqa: F401 - fixtures
 
 
+@pytest.fixture()
+def no_panels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """F32Linear as a build without AVX-512 runs it: f32_mm's tiles, oneDNN above its row limit."""
+    monkeypatch.setattr(kernels, "F32_PANEL_ISAS", ())
+
+
+@pytest.fixture()
+def panels(kernel_isa: str) -> None:  # noqa: F811
+    if not kernels.f32_panels():
+        pytest.skip(f"the {kernel_isa} build runs fp32 linears on f32_mm and oneDNN, not on panels")
+
+
 @pytest.mark.parametrize("n,k", [(64, 128), (37, 96), (5, 44), (130, 576), (3, 8)])
 @pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 5, 7, 8, 17, 32, 33])  # 33 > F32_MAX_TILED_M: at::mm
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -54,6 +67,64 @@ def test_f32_mm_equals_fp64_matmul(kernel_isa, m, n, k, with_bias):  # noqa: F81
         # fp32 sums of k products: |error| <= ~k * eps * sum|x w|, far inside this bound
         bound = 1e-5 * (x.double().abs() @ w.double().abs().t()).max().item() + 1e-6
         assert (got.double() - ref).abs().max().item() < bound
+
+
+@pytest.mark.parametrize("n,k", [(64, 128), (37, 96), (5, 44), (33, 576), (1, 8), (96, 1)])
+# 1..12: one block; 13..: balanced blocks of <= 12 (25 = 9 + 8 + 8); 193, 400: chunks of 192 rows
+@pytest.mark.parametrize("m", [0, 1, 2, 7, 11, 12, 13, 25, 32, 64, 193, 400])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_f32_mm_packed_equals_fp64_matmul(kernel_isa, m, n, k, with_bias):  # noqa: F811
+    """On every build (AVX-512's micro-kernel, the portable loop elsewhere)."""
+    torch.manual_seed(m * 1000 + n + k)
+    x, w = torch.randn(m, k), torch.randn(n, k)
+    b = torch.randn(n) if with_bias else None
+    packed = kernels.f32_pack(w)
+    assert packed.shape == ((n + 31) // 32, k, 32)
+    assert torch.equal(packed.transpose(1, 2).reshape(-1, k)[:n], w)  # panel p, input k, column j = w[32 p + j, k]
+    assert not packed.transpose(1, 2).reshape(-1, k)[n:].any()  # the last panel's padding columns are zeros
+    got = kernels.f32_mm_packed(x, packed, n, b)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    if m:
+        ref = x.double() @ w.double().t() + (b.double() if with_bias else 0)
+        bound = 1e-5 * (x.double().abs() @ w.double().abs().t()).max().item() + 1e-6
+        assert (got.double() - ref).abs().max().item() < bound
+
+
+def test_f32_mm_packed_names_a_wrong_layout(kernel_isa):  # noqa: F811
+    w = torch.randn(40, 16)
+    with pytest.raises(RuntimeError, match="f32_pack's"):
+        kernels.f32_mm_packed(torch.randn(2, 16), w, 40)  # the weight itself, not its panels
+    with pytest.raises(RuntimeError, match=r"x must be \[M, 16\]"):
+        kernels.f32_mm_packed(torch.randn(2, 15), kernels.f32_pack(w), 40)
+    with pytest.raises(RuntimeError, match="bias must have 40"):
+        kernels.f32_mm_packed(torch.randn(2, 16), kernels.f32_pack(w), 40, torch.randn(39))
+
+
+@pytest.mark.parametrize("rows", [1, 9, 32, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linears_of_an_avx512_build_run_on_panels(panels, mode, rows, with_bias):  # noqa: F811
+    """Every row count on the panels; the copy outside the module (state_dict, deepcopy, torch.save untouched),
+    remade when the weight changes in place, and under inference_mode (no version counter)."""
+    mode("auto")
+    torch.manual_seed(rows)
+    lin = nn.Linear(96, 40, bias=with_bias).requires_grad_(False)
+    use_f32_kernel(lin)
+    x = torch.randn(2, rows, 96)
+    ref = x.double() @ lin.weight.double().t() + (lin.bias.double() if with_bias else 0)
+    got = lin(x)
+    assert got.shape == (2, rows, 40) and f32._PREPARED[lin][1].shape == (2, 96, 32)
+    assert list(lin.state_dict()) == (["weight", "bias"] if with_bias else ["weight"])
+    assert torch.equal(copy.deepcopy(lin)(x), got)
+    torch.save(lin, io.BytesIO())
+    bound = 1e-5 * (x.double().abs() @ lin.weight.double().abs().t()).max().item() + 1e-6
+    assert (got.double() - ref).abs().max().item() < bound
+    with torch.no_grad():
+        lin.weight.mul_(2)
+        assert torch.allclose(lin(x), 2 * got - (lin.bias if with_bias else 0), atol=1e-4)
+    with torch.inference_mode():
+        frozen = nn.Linear(96, 40, bias=False)
+        use_f32_kernel(frozen)
+        assert torch.allclose(frozen(x), x @ frozen.weight.t(), atol=1e-4)
 
 
 def test_f32_mm_takes_any_activation_layout_and_dtype(kernel_isa):  # noqa: F811
@@ -104,7 +175,7 @@ def test_autograd_keeps_torchs_linear(kernel_isa, mode):  # noqa: F811
 
 @pytest.mark.parametrize("extra_rows", [1, 31, 200])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_rows_above_the_limit_run_on_onednn(kernel_isa, mode, extra_rows, with_bias):  # noqa: F811
+def test_rows_above_the_limit_run_on_onednn(kernel_isa, mode, no_panels, extra_rows, with_bias):  # noqa: F811
     mode("auto")
     if onednn_min_rows() is None:
         pytest.skip("this torch has no oneDNN")
@@ -114,7 +185,7 @@ def test_rows_above_the_limit_run_on_onednn(kernel_isa, mode, extra_rows, with_b
     x = torch.randn(onednn_min_rows() + extra_rows, 96)
     ref = x.double() @ lin.weight.double().t() + (lin.bias.double() if with_bias else 0)
     got = lin(x)
-    assert lin in f32._REORDERED and list(lin.state_dict()) == (["weight", "bias"] if with_bias else ["weight"])
+    assert lin in f32._PREPARED and list(lin.state_dict()) == (["weight", "bias"] if with_bias else ["weight"])
     copied = copy.deepcopy(lin)  # the opaque copy stays outside the module: deepcopy and torch.save work
     torch.save(lin, io.BytesIO())
     assert torch.equal(copied(x), got)
@@ -124,7 +195,7 @@ def test_rows_above_the_limit_run_on_onednn(kernel_isa, mode, extra_rows, with_b
     assert torch.allclose(lin(small), got[: onednn_min_rows()], atol=1e-5)
 
 
-def test_onednn_weight_follows_in_place_changes(kernel_isa, mode):  # noqa: F811
+def test_onednn_weight_follows_in_place_changes(kernel_isa, mode, no_panels):  # noqa: F811
     mode("auto")
     if onednn_min_rows() is None:
         pytest.skip("this torch has no oneDNN")
@@ -140,7 +211,7 @@ def test_onednn_weight_follows_in_place_changes(kernel_isa, mode):  # noqa: F811
 
 
 
-def test_a_linear_made_under_inference_mode_runs_on_onednn(kernel_isa, mode):  # noqa: F811
+def test_a_linear_made_under_inference_mode_runs_on_onednn(kernel_isa, mode, no_panels):  # noqa: F811
     """Its weight is an inference tensor, which has no version counter (reading one raised)."""
     mode("auto")
     if onednn_min_rows() is None:
@@ -150,7 +221,7 @@ def test_a_linear_made_under_inference_mode_runs_on_onednn(kernel_isa, mode):  #
         use_f32_kernel(lin)
         x = torch.randn(onednn_min_rows() + 8, 64)
         got = lin(x)
-    assert lin.weight.is_inference() and lin in f32._REORDERED
+    assert lin.weight.is_inference() and lin in f32._PREPARED
     assert torch.allclose(got, x @ lin.weight.t(), atol=1e-5)
 
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
@@ -258,7 +329,7 @@ def test_the_engine_loader_fuses_quantized_models_too(kernel_isa, mode, tmp_path
     assert torch.allclose(got, model(ids), atol=1e-4, rtol=1e-4)
 
 
-def test_a_failing_onednn_falls_back_to_our_tiles_and_the_blas(kernel_isa, mode, monkeypatch):  # noqa: F811
+def test_a_failing_onednn_falls_back_to_our_tiles_and_the_blas(kernel_isa, mode, no_panels, monkeypatch):  # noqa: F811
     mode("auto")
     if onednn_min_rows() is None:
         pytest.skip("this torch has no oneDNN")

@@ -33,12 +33,13 @@
 
 namespace {
 
-enum Kind : int64_t { kF32 = 0, kInt4 = 1, kInt4A8 = 2, kInt8 = 3, kInt8A8 = 4 };
+enum Kind : int64_t { kF32 = 0, kInt4 = 1, kInt4A8 = 2, kInt8 = 3, kInt8A8 = 4, kF32Panels = 5 };
 enum Act : int64_t { kSilu = 0, kGeluTanh = 1 };
 
 struct Linear {
-  int64_t kind = kF32, group = 0;
-  at::Tensor a, b, c, bias;  // f32: w, oneDNN's reordered w (or none); int4: packed, scales, mins; int8: qweight, scales
+  int64_t kind = kF32, group = 0;  // group: int4's group size; f32 panels: N
+  // f32: w, oneDNN's reordered w (or none); f32 panels: f32_pack(w); int4: packed, scales, mins; int8: qweight, scales
+  at::Tensor a, b, c, bias;
 };
 
 struct Layer {
@@ -90,6 +91,8 @@ at::Tensor run_linear(const Plan& p, const Linear& l, const at::Tensor& x) {
     case kF32:
       if (l.b.defined() && p.onednn_f32 > 0 && x.size(0) > p.onednn_f32) return onednn_linear(x, l.b, l.bias);
       return f32_mm(x, l.a, l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt, p.tiled_f32);
+    case kF32Panels:
+      return f32_mm_packed(x, l.a, l.group, l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt);
     case kInt4: y = int4_mm(x, l.a, l.b, l.c, l.group, p.tiled_int4); break;
     case kInt4A8: y = int4_mm_a8(x, l.a, l.b, l.c, l.group, p.tiled_a8); break;
     case kInt8: y = int8_mm(x, l.a, l.b, false, p.tiled_int8); break;

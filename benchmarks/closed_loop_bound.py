@@ -8,7 +8,7 @@ max_num_seqs = c); c requests of --prompt-len random token ids (the servers clie
 and --output-len tokens (EOS ignored, temperature 1.0 as the server's default) are added at once and stepped
 to the end. Prefill = the steps until the last prompt token is computed (they carry the early requests'
 first decode rows too, as a server's steps do), decode = the rest. The bound is benchmarks/servers.py's
-(`bound_phases_s`: prompts at the M = 128 GEMM rate, each decode step max(bytes / copy bandwidth, FLOPs / the
+(`bound_phases_s`: prompts at the M = 128 GEMM rate, each decode step max(bytes / memory bandwidth, FLOPs / the
 M = c rate), attention's FLOPs and K/V bytes counted), its rates and bandwidth measured in every round just
 before the run, so a slow phase of a shared machine moves both. --chunks A,B: engines with those
 max_num_batched_tokens, alternating within each round; --kv-cache-dtypes auto,fp16: engines with those K/V caches
@@ -23,7 +23,7 @@ import statistics
 import time
 
 import torch
-from _common import copy_bandwidth_gbs
+from _common import memory_bandwidth_gbs
 from servers import PROMPT_LEN, bound_phases_s, kernel_rates, model_work
 
 
@@ -80,13 +80,13 @@ def main() -> None:
         run_once(e, c, args.prompt_len, 4, vocab, seed=10**9 + n)
     print(f"{args.model} {args.quantization} ({kernel} kernels), c = {c}, prompts {args.prompt_len}, "
           f"{args.output_len} output tokens, {args.threads} thread(s); weights {wb / 1e6:.0f} MB")
-    print("\n| round | chunk | K/V | copy GB/s | GEMM M=128 / M=c GFLOP/s | prefill s (bound) | decode s (bound) | "
+    print("\n| round | chunk | K/V | mem GB/s | GEMM M=128 / M=c GFLOP/s | prefill s (bound) | decode s (bound) | "
           "wall s (bound) | bound / wall | steps |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     runs: dict[tuple[int, str], list[tuple[float, float, float, float]]] = {k: [] for k in engines}  # (prefill, decode, bounds)
     for r in range(args.rounds):
         for (n, kv), engine in engines.items():
-            bw = copy_bandwidth_gbs()
+            bw = memory_bandwidth_gbs()
             rate = kernel_rates(tuple(sorted({1, PROMPT_LEN, c})), shapes, (kernel,))[kernel]
             bp, bd = bound_phases_s(wb, params, head_params, bw, rate, c, args.output_len, args.prompt_len, attn,
                                     kv_pool_dtype(kv, torch.float32).itemsize)

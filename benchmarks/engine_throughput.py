@@ -10,7 +10,7 @@ best static batching can do. Same process, same weights, same thread count.
 Prints, per concurrency: engine tok/s, HF tok/s, the ratio, and the engine's median per-step
 schedule, execute and sample(+update+detokenize) times, next to a hardware bound on output tok/s
 for the same workload (`workload_bound`): benchmarks/servers.py's bound for a closed loop of c requests
-(prompts at the M = 128 GEMM rate; decode steps of batch c, each max(weight + K/V bytes / copy bandwidth,
+(prompts at the M = 128 GEMM rate; decode steps of batch c, each max(weight + K/V bytes / memory bandwidth,
 matmul + attention FLOPs / the M = c rate)), once per wave of c requests. The rates are those of the kernel
 the engine runs, measured here over the model's own linear shapes (servers.kernel_rates "fp32": firstlight's
 fp32 tiles and oneDNN on a reordered weight, as `firstlight serve` and engine/llm.py `load` set up the model),
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import copy_bandwidth_gbs
+from _common import memory_bandwidth_gbs
 from servers import PROMPT_LEN, bound_phases_s, kernel_rates, model_work
 
 
@@ -177,15 +177,15 @@ def main() -> None:
     run_engine(model, tok, prompts_all[:2], 4, 2)  # warm-up
     work = model_work(path)
 
-    def measured(c: int) -> tuple[float, dict[int, float]]:  # copy GB/s, the engine's fp32 GFLOP/s at M = 128 and c
-        return copy_bandwidth_gbs(), kernel_rates(tuple(sorted({PROMPT_LEN, c})), work[3], ("fp32",))["fp32"]
+    def measured(c: int) -> tuple[float, dict[int, float]]:  # mem GB/s, the engine's fp32 GFLOP/s at M = 128 and c
+        return memory_bandwidth_gbs(), kernel_rates(tuple(sorted({PROMPT_LEN, c})), work[3], ("fp32",))["fp32"]
 
     print(f"model {args.model}: {num_params / 1e6:.1f}M params fp32, threads={args.threads}, "
-          f"prompt {args.prompt_len} / output {args.output_len}, K/V {args.kv_cache_dtype}; each bound from the copy bandwidth and the engine's "
+          f"prompt {args.prompt_len} / output {args.output_len}, K/V {args.kv_cache_dtype}; each bound from the memory bandwidth and the engine's "
           "fp32 GEMM rates over the model's linears, measured just before and just after its engine run (mean)")
     print(f"{'conc':>4} {'reqs':>4} {'engine tok/s':>13} {'HF tok/s':>9} {'ratio':>6} {'bound tok/s':>11} "
           f"{'eng %':>6} {'HF %':>5} {'sched ms':>9} {'exec ms':>8} {'sample ms':>9} {'decode exec ms':>14} "
-          f"{'GFLOP/s':>8}  copy GB/s, GFLOP/s at M = 128 / c")
+          f"{'GFLOP/s':>8}  mem GB/s, GFLOP/s at M = 128 / c")
     results = []
     for c in args.concurrency:
         n = args.num_requests_c1 if (c == 1 and args.num_requests_c1) else args.num_requests

@@ -5,7 +5,7 @@
 Method (identical for both sides): prefill = one forward over the prompt; decode tokens/s =
 (N - 1) / (T(generate N tokens) - T(generate 1 token)), greedy, batch 1, fp32 unless --dtype.
 Each figure is the median of --repeats runs. Next to each decode figure: the weight bytes it reads
-per token and the memory bandwidth that implies, against a measured copy bandwidth of this machine
+per token and the memory bandwidth that implies, against a measured memory bandwidth of this machine
 (decode at batch 1 is memory-bound: tokens/s <= bandwidth / bytes of weights read per token).
 """
 
@@ -15,7 +15,7 @@ import argparse
 import json
 
 import torch
-from _common import copy_bandwidth_gbs, median_time
+from _common import median_time, memory_bandwidth_gbs
 
 
 def main() -> None:
@@ -74,7 +74,7 @@ def main() -> None:
             "decode_tokens_per_s": (n - 1) / (t_n - t_1),
         }
     weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())  # tied: counted once
-    bw = copy_bandwidth_gbs()
+    bw = memory_bandwidth_gbs()
     for side in res:
         res[side]["decode_weight_gb_per_s"] = res[side]["decode_tokens_per_s"] * weight_bytes / 1e9
     out = {
@@ -95,7 +95,7 @@ def main() -> None:
         print(f"{side:12} {r['prefill_tokens_per_s']:14.1f} {r['decode_tokens_per_s']:13.1f} "
               f"{r['decode_weight_gb_per_s']:13.2f}")
     print(f"ratio firstlight/hf: prefill {out['prefill_speedup_vs_hf']:.2f}x, decode {out['decode_speedup_vs_hf']:.2f}x")
-    print(f"bound: measured copy bandwidth {bw:.1f} GB/s / {weight_bytes / 1e6:.0f} MB of weights per token "
+    print(f"bound: measured memory bandwidth {bw:.1f} GB/s / {weight_bytes / 1e6:.0f} MB of weights per token "
           f"= {out['decode_bound_tokens_per_s']:.0f} tok/s (batch-1 decode is memory-bound)")
 
 

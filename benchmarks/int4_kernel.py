@@ -12,7 +12,8 @@ Each cell: the median of --repeats rounds; a round times every kernel of the row
 other (each sample loops enough calls to last ~2 ms), so load from other processes hits them alike.
 aten gets bfloat16 activations (how Int4WeightOnlyLinear used it on CPU); ours and torch.mm take fp32.
 GB/s = int4 weight bytes (N*K/2 codes + the scales/zeros each kernel reads) / time; the bound is the
-machine's copy bandwidth (a 256 MiB tensor copy, read + write), measured in the same run. "vnni":
+machine's memory bandwidth (_common.memory_bandwidth_gbs: the better of a 256 MiB tensor copy and our fp32
+panel kernel's read of a 256 MiB weight), measured in the same run. "vnni":
 int4_mm_a8 on kernels.pack_int4_vnni's tiled layout (vpdpbusd on AVX-512 VNNI, maddubs + madd on AVX2; not
 the scalar build), with its GOP/s (2 M N K / time) next to fp32 torch.mm's GFLOP/s (the BLAS's rate is the
 fp32 compute bound this machine reaches).
@@ -27,7 +28,7 @@ import statistics
 import time
 
 import torch
-from _common import copy_bandwidth_gbs, median_time
+from _common import median_time, memory_bandwidth_gbs
 
 SHAPES = ((576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152))  # (K, N)
 
@@ -134,9 +135,9 @@ def main() -> None:
         step_rows(args)
         return
     g = args.group_size
-    bw = copy_bandwidth_gbs()
+    bw = memory_bandwidth_gbs()
     rows = []
-    print(f"threads {args.threads}, kernel {isa}, group {g}, copy bandwidth {bw:.1f} GB/s, "
+    print(f"threads {args.threads}, kernel {isa}, group {g}, memory bandwidth {bw:.1f} GB/s, "
           f"load {os.getloadavg()[0]:.2f}")
     vnni = isa in ik.TILED_ISAS  # w4a8's tiled layout: vpdpbusd (avx512vnni) or maddubs (avx2)
     print(f"{'K->N':>12} {'M':>4} {'ours us':>9} {'a8 us':>8} {'aten us':>9} {'fp32 mm us':>10} {'aten/ours':>9} "

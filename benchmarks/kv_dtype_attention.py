@@ -4,7 +4,7 @@ layer's pools its own (cold, as in a decode step), next to the copy-bandwidth bo
 
     PYTHONPATH=. .venv/bin/python benchmarks/kv_dtype_attention.py --threads 2 --rounds 9
 
-Rounds alternate between the three caches; medians. Bound: the K/V bytes / the copy bandwidth measured in the same
+Rounds alternate between the three caches; medians. Bound: the K/V bytes / the memory bandwidth measured in the same
 run (a large tensor copy, bytes read + written per second).
 """
 
@@ -15,7 +15,7 @@ import statistics
 import time
 
 import torch
-from _common import copy_bandwidth_gbs
+from _common import memory_bandwidth_gbs
 
 H, HKV, D, LAYERS, BS = 9, 3, 64, 30, 16
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -43,8 +43,8 @@ def main() -> None:
     if kernels.load_kernel() is None:
         raise SystemExit("firstlight's kernel extension is not in use here")
     op = torch.ops.firstlight.paged_decode_attention
-    bw = copy_bandwidth_gbs()
-    print(f"{args.threads} threads, copy bandwidth {bw:.1f} GB/s; 30 layers, 9 / 3 heads of 64; medians of "
+    bw = memory_bandwidth_gbs()
+    print(f"{args.threads} threads, memory bandwidth {bw:.1f} GB/s; 30 layers, 9 / 3 heads of 64; medians of "
           f"{args.rounds} alternating rounds")
     print(f"{'rows x keys':>12} {'cache':>5} {'ms':>8} {'MB':>6} {'GB/s':>6} {'bound ms':>9} {'% of bound':>10} "
           f"{'vs fp32':>8}")

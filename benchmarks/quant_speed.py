@@ -8,7 +8,7 @@ Method: for each format, a fresh copy of the fp32 model is quantized; each batch
 cache; a step's time is one forward of [B, 1] tokens + argmax. tokens/s = B / median step time, the
 median over all steps of --repeats runs. Next to each batch-1 figure: the weight bytes read per token
 (every weight but the embedding table, of which one row is read) and the bandwidth that implies,
-against this machine's measured copy bandwidth (decode at batch 1 is memory-bound:
+against this machine's measured memory bandwidth (decode at batch 1 is memory-bound:
 tokens/s <= bandwidth / bytes read per token).
 """
 
@@ -22,7 +22,7 @@ import statistics
 import time
 
 import torch
-from _common import copy_bandwidth_gbs
+from _common import memory_bandwidth_gbs
 
 
 def bytes_read_per_token(model: torch.nn.Module) -> int:
@@ -77,7 +77,7 @@ def main() -> None:
     base, tok = load_model(path)
     prompt = tok.encode("The history of the city begins in the early middle ages, when " * 16)[: args.prompt_tokens]
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    bandwidth = copy_bandwidth_gbs()
+    bandwidth = memory_bandwidth_gbs()
     rows = []
     for fmt in args.formats.split(","):
         model = copy.deepcopy(base)
@@ -100,7 +100,7 @@ def main() -> None:
                           "load_average": load, "rows": rows}, indent=2))
         return
     print(f"{path.name}, {args.threads} threads, prompt {len(prompt)} tokens, {args.new_tokens} decode steps x "
-          f"{args.repeats} runs (median step); copy bandwidth {bandwidth:.1f} GB/s; "
+          f"{args.repeats} runs (median step); memory bandwidth {bandwidth:.1f} GB/s; "
           f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} CPUs")
     header = f"{'format':<14}{'weights MiB':>12}{'vs ' + ref['format']:>9}"
     for b in batches:

@@ -27,7 +27,7 @@ tokenizer over the streamed text, so a token or two off from the server's own co
 llama-cpp-python runs `--interrupt_requests False` (by default a new request cuts the stream running).
 
 Bounds (roofline, Williams et al. 2009), per server from its own weight format and kernel: a decode step
-of batch c costs max(weight bytes / copy bandwidth, c x 2 x matmul params FLOPs / GEMM rate of the kernel
+of batch c costs max(weight bytes / memory bandwidth, c x 2 x matmul params FLOPs / GEMM rate of the kernel
 at M = c), the rate measured over the model's own linear shapes (one layer's and a slice of the head, in
 their proportions of a forward's FLOPs, each hot in cache: `kernel_rates`); a prompt of P tokens (P: the
 mean the client reports sending, 128 random tokens plus its cache-bust nonce) costs 2 x (P x the layers'
@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from _common import copy_bandwidth_gbs, median_time
+from _common import median_time, memory_bandwidth_gbs
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -357,11 +357,11 @@ def run_server(server: Server, args: argparse.Namespace, port: int, out: Path) -
 
 def measured_beside(server: Server, args: argparse.Namespace, ms: tuple[int, ...],
                     run: Callable[[], dict]) -> tuple[dict, dict]:
-    """run() and the bound's inputs measured just before and just after it (copy bandwidth, the server's kernel
+    """run() and the bound's inputs measured just before and just after it (memory bandwidth, the server's kernel
     at M in ms): this machine's speed moves by up to 2x within minutes, so a bound measured once at the start can
     sit in another phase than the run it bounds. The bound then uses the mean of the two measurements."""
     def inputs() -> tuple[float, dict[int, float]]:
-        return copy_bandwidth_gbs(), kernel_rates(tuple(sorted(set(ms))), args.shapes, (server.kernel,))[server.kernel]
+        return memory_bandwidth_gbs(), kernel_rates(tuple(sorted(set(ms))), args.shapes, (server.kernel,))[server.kernel]
     bw0, r0 = inputs()
     metrics = run()
     bw1, r1 = inputs()
@@ -416,7 +416,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     params, head_params, attn, shapes = model_work(args.tokenizer)
     args.shapes = shapes
-    bw = copy_bandwidth_gbs()
+    bw = memory_bandwidth_gbs()
     rates = kernel_rates(tuple(sorted({1, PROMPT_LEN, *args.concurrency})), shapes)
     port = free_port()
     load0 = os.getloadavg()
@@ -451,7 +451,7 @@ def print_tables(s: dict, args: argparse.Namespace) -> None:
     attn = AttentionShape(**{**a, "windows": tuple(a["windows"])}) if a else None
     la = s["load_average"]
     beside_runs = any(k.startswith("bound_") for r in s["results"] for k in r)
-    print(f"\n{s['model']}, {s['threads']} threads; copy bandwidth {bw:.1f} GB/s; GEMM GFLOP/s at M="
+    print(f"\n{s['model']}, {s['threads']} threads; memory bandwidth {bw:.1f} GB/s; GEMM GFLOP/s at M="
           f"{'/'.join(str(m) for m in sorted(next(iter(rates.values()))))}"
           f"{' (at the start; each bound below uses the rates measured beside its run)' if beside_runs else ''}: "
           + "; ".join(

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import copy_bandwidth_gbs  # noqa: E402
+from _common import memory_bandwidth_gbs  # noqa: E402
 
 
 def main() -> None:
@@ -104,9 +104,9 @@ def main() -> None:
               f"{ratio:>5.2f}x  {'met' if ratio < 3 else 'NOT met':<9}  {sources[name]}")
     # The cold run's extra: `n` sequential decode steps, each reading every weight once.
     weight_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
-    bw = copy_bandwidth_gbs()
+    bw = memory_bandwidth_gbs()
     print(f"reference generate ({n} tokens) alone: {med['generate']:.2f} s; memory bound {n} steps x "
-          f"{weight_bytes / 1e9:.2f} GB weights / {bw:.1f} GB/s copy bandwidth = {n * weight_bytes / bw / 1e9:.2f} s")
+          f"{weight_bytes / 1e9:.2f} GB weights / {bw:.1f} GB/s memory bandwidth = {n * weight_bytes / bw / 1e9:.2f} s")
     cold = f"{n}-token continuation, cold"
     print(f"cold with the generation in the bound: {med[cold]:.2f} s vs "
           f"{med[f'base {n}'] + med['generate']:.2f} s = {med[cold] / (med[f'base {n}'] + med['generate']):.2f}x")

@@ -15,7 +15,7 @@ def load(
     name_or_path: str | Path, dtype: str = "float32", quantization: str | None = None
 ) -> tuple[torch.nn.Module, Any]:
     """(model, tokenizer) for a model name (`firstlight models list`) or a checkpoint dir; the fp32 linears
-    left after quantization (all of them without one) run decode-sized batches on firstlight::f32_mm."""
+    left after quantization (all of them without one) run on our fp32 matmuls (quant/f32.py F32Linear)."""
     from firstlight.models.hub import resolve
     from firstlight.models.loader import load_model
     from firstlight.quant import apply_quantization

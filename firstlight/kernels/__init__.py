@@ -1,16 +1,16 @@
 """firstlight's own CPU kernels, one extension built once per machine at first use, from csrc/:
 int4_gemv.cpp (int4 and int8 weights), int4_vnni.cpp (w4a8 on its tiled layout: AVX-512 VNNI or AVX2),
-f32_gemm.cpp (fp32 weights at decode-sized batches), paged_attention.cpp (decode attention over the paged KV
-pools, and prefill attention over gathered keys), dense_decode.cpp (a dense decoder's whole decode step,
-engine/native_decode.py, and the one-pass norm, rope and gated activation a prefill runs), sampling.cpp (the
-sampler's categorical draw); firstlight_kernels.h holds what they share.
+f32_gemm.cpp (fp32 weights: tiles on nn.Linear's layout, and packed panels), paged_attention.cpp (decode
+attention over the paged KV pools, and prefill attention over gathered keys), dense_decode.cpp (a dense
+decoder's whole decode step, engine/native_decode.py, and the one-pass norm, rope and gated activation a
+prefill runs), sampling.cpp (the sampler's categorical draw); firstlight_kernels.h holds what they share.
 
 `torch.utils.cpp_extension.load` compiles them into `$FIRSTLIGHT_HOME/kernels/<name>` (-O3 -fopenmp, plus
 -mavx2 -mfma -mf16c when torch reports an AVX2 CPU, and the AVX-512 VNNI flags when the CPU has them: ISA
-avx512vnni) and loads the torch ops `firstlight::int4_mm`, `int8_mm`, `f32_mm`, `paged_decode_attention`,
-`attention`, `dense_decode`, ... (registered in C++ with TORCH_LIBRARY, so an eager call costs one dispatcher
-hop, not a Python one; `register_fake` here gives torch.compile their shapes, so a compiled decode keeps each
-call as one opaque node).
+avx512vnni) and loads the torch ops `firstlight::int4_mm`, `int8_mm`, `f32_mm`, `f32_mm_packed`,
+`paged_decode_attention`, `attention`, `dense_decode`, ... (registered in C++ with TORCH_LIBRARY, so an eager
+call costs one dispatcher hop, not a Python one; `register_fake` here gives torch.compile their shapes, so a
+compiled decode keeps each call as one opaque node).
 
 FIRSTLIGHT_CPU_KERNELS (FIRSTLIGHT_INT4_KERNEL, its earlier name, is read when it is unset): `auto` (default)
 uses ours if it builds, else torch's kernels with one warning; `aten` forces torch's; `firstlight` requires ours

@@ -18,8 +18,9 @@
 // rows of a panel in balanced blocks of <= 12 while the panel stays in L1/L2, the next panel prefetched line by
 // line during the first block (a decode step's weights are cold: without it each panel's first pass stalls on
 // memory), threads over panels, activation rows in chunks of 192 so a prefill's rows stay in L2 across panels.
-// SmolLM2-135M's 121 linears, cold, 2 threads: M = 32 25.5 ms vs oneDNN's 34.6 on its reordered weight, M = 8
-// 10.0 vs 17.1 (benchmarks/f32_gemm.py); from 2,048 rows up it ties oneDNN, so it replaces oneDNN's copy there.
+// SmolLM2-135M's 121 linears, cold, 2 threads: M = 32 28.8 ms vs oneDNN's 39.7 on its reordered weight, M = 8
+// 12.8 vs 22.3, M = 1 15.5 vs f32_mm's 19.7 (benchmarks/f32_gemm.py); at 512 rows it ties oneDNN (a whole prefill
+// over the model's layers: ~6 % slower), so its copy replaces oneDNN's on AVX-512 builds (quant/f32.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -100,7 +101,6 @@ void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, f
 #endif
   tile_scalar<MR>(x, ldx, w, ldw, K, y, ldy, nr, add);
 }
-
 
 // ---- packed panels (f32_pack / f32_mm_packed) ----
 constexpr int64_t kPanel = 32;   // output columns per panel: two 16-lane vectors

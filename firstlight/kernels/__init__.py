@@ -173,6 +173,10 @@ def _register_fakes() -> None:
         b, h, s, d = q.shape
         return q.new_empty((b, s, h, d)).permute(0, 2, 1, 3)
 
+    @torch.library.register_fake("firstlight::argmax_rows")
+    def _(logits):  # noqa: ANN001, ANN202
+        return logits.new_empty((logits.shape[0],), dtype=torch.long)
+
     @torch.library.register_fake("firstlight::sample_rows")
     def _(logits, rows, inv_temp, u):  # noqa: ANN001, ANN202
         return rows.new_empty(rows.shape)
@@ -320,6 +324,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     (laid out [B, S, H, D]). mask: boolean [B, 1, S, L] or [B, S, L] (True = visible); without one, causal
     (query i sees keys j <= L - S + i) or, causal False, every key. A query that sees no key gets zeros."""
     return torch.ops.firstlight.attention(q, k, v, mask, causal, scale)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, -1) of fp32 [N, V] with contiguous rows (the first maximum, the first NaN of a row)."""
+    return torch.ops.firstlight.argmax_rows(logits)
 
 
 def sample_rows(logits: torch.Tensor, rows: torch.Tensor, inv_temp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -247,3 +247,22 @@ def test_sampling_the_same_with_and_without_the_kernel(kernel_isa, monkeypatch) 
     pairs = zip(draws["firstlight"], draws["aten"], strict=True)
     same = sum(a == b for da, db in pairs for a, b in zip(da, db, strict=True))
     assert same >= 0.99 * 40 * len(rows)
+
+
+@pytest.mark.parametrize("v", [1, 7, 16, 17, 40, 49152])
+def test_the_kernel_argmax_is_torchs(kernel_isa, v: int) -> None:  # noqa: F811
+    """firstlight::argmax_rows == torch.argmax(-1): the first of tied maxima (in any lane, in the tail), the first
+    NaN of a row, an all -inf row, rows of a wider tensor (row stride > V)."""
+    torch.manual_seed(v)
+    x = torch.randn(6, v)
+    x[1] = torch.randint(0, 3, (v,)).float()  # many ties at the maximum
+    x[2] = float("-inf")
+    x[3, v // 2] = float("nan")
+    x[3, -1] = float("nan")
+    x[4, -1] = 100.0  # the maximum in the tail
+    x[5] = x[5].round()
+    assert torch.equal(kernels.argmax_rows(x), x.argmax(-1))
+    wide = torch.randn(4, v + 5)
+    assert torch.equal(kernels.argmax_rows(wide[:, :v]), wide[:, :v].argmax(-1))
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        kernels.argmax_rows(torch.randn(v, 6).t())

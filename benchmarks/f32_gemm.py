@@ -9,8 +9,10 @@ pass, as in a decode step, so it streams from memory.
     PYTHONPATH=. .venv/bin/python benchmarks/f32_gemm.py --threads 1 --ms 1,2,4,8,16,32,64
 
 Per M: the median over --repeats rounds of one pass each (the four alternate inside a round, so load from
-other processes hits all). Bound of a pass: max(weight bytes / read bandwidth, FLOPs / GEMM rate), both
-measured in this run: the read bandwidth is a sum over a 256 MiB tensor, the GEMM rate the better of torch.mm
+other processes hits all). Bound of a pass: max(weight bytes / memory bandwidth, FLOPs / GEMM rate), both
+measured in this run: the bandwidth the other benchmarks' (_common.memory_bandwidth_gbs: the better of a tensor
+copy and the panels' read at one row; a sum over a tensor, used until 2026-12-03, read slower than the panels
+at M = 8), the GEMM rate the better of torch.mm
 and oneDNN at [1024, 1024] x [1024, 1024] (hot, near the FMA peak of the ISA each uses: MKL runs AVX2 code
 on AMD CPUs, oneDNN the CPU's widest).
 """
@@ -23,15 +25,10 @@ import statistics
 import time
 
 import torch
-from _common import gemm_gflops, median_time
+from _common import gemm_gflops, median_time, memory_bandwidth_gbs
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (N, K) of one SmolLM2-135M layer
 LAYERS, HEAD = 30, (49152, 576)
-
-
-def read_bandwidth_gbs(num_bytes: int = 256 << 20) -> float:
-    a = torch.empty(num_bytes // 4).normal_()
-    return num_bytes / median_time(lambda: a.sum(), 5) / 1e9
 
 
 def main() -> None:
@@ -58,9 +55,9 @@ def main() -> None:
     square = torch.randn(1024, 1024)
     square_r = torch.ops.mkldnn._reorder_linear_weight(square, None) if onednn else None
     dnn_peak = 2 * 1024 ** 3 / median_time(lambda: onednn_linear(square, square_r), 5) / 1e9 if onednn else 0.0
-    bw, peak = read_bandwidth_gbs(), max(gemm_gflops(1024, 1024, 1024), dnn_peak)
+    bw, peak = memory_bandwidth_gbs(), max(gemm_gflops(1024, 1024, 1024), dnn_peak)
     print(f"{args.threads} thread(s); one pass = {len(weights)} linears, {wbytes / 1e6:.0f} MB fp32 weights; "
-          f"read bandwidth {bw:.1f} GB/s, GEMM {peak:.0f} GFLOP/s; load average "
+          f"memory bandwidth {bw:.1f} GB/s, GEMM {peak:.0f} GFLOP/s; load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
     print(f"{'M':>4} | {'torch F.linear ms':>17} | {'tiles ms':>8} | {'oneDNN ms':>9} | {'panels ms':>9} | "
           f"{'bound ms':>8} | panels vs oneDNN | panels GFLOP/s | panels GB/s")

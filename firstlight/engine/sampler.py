@@ -187,9 +187,10 @@ class Sampler:
                         logits[i, ids] = float("-inf")
 
         rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
+        ours = logits.device.type == "cpu" and logits.stride(-1) == 1 and kernels.load_kernel() is not None
         if len(rows) == len(requests):
             tokens = torch.empty(len(requests), dtype=torch.long)
-        elif logits.device.type == "cpu" and logits.stride(-1) == 1 and kernels.load_kernel() is not None:
+        elif ours:
             # greedy rows (the sampled ones are overwritten below) in one pass of ours: torch's argmax took ~1 ms
             # at 32 x 49,152 on 2 threads (kernels/csrc/sampling.cpp)
             tokens = kernels.argmax_rows(logits)
@@ -203,7 +204,7 @@ class Sampler:
             plain = sorted(set(range(len(ps))) - set(filt))
             filt_rows, plain_rows = [rows[j] for j in filt], [rows[j] for j in plain]
             f_logits = filter_rows(logits[filt_rows], [ps[j] for j in filt]) if filt else None
-            if logits.device.type == "cpu" and logits.stride(-1) == 1 and kernels.load_kernel() is not None:
+            if ours:
                 # one pass of ours over each row, from the logits in place (kernels/csrc/sampling.cpp)
                 if plain:
                     tokens[plain_rows] = kernels.sample_rows(

@@ -86,13 +86,13 @@ void store_kv(const float* x, void* pool, at::ScalarType kv, int64_t off, int64_
 }
 
 at::Tensor run_linear(const Plan& p, const Linear& l, const at::Tensor& x) {
+  const c10::optional<at::Tensor> bias = l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt;
   at::Tensor y;
   switch (l.kind) {
     case kF32:
       if (l.b.defined() && p.onednn_f32 > 0 && x.size(0) > p.onednn_f32) return onednn_linear(x, l.b, l.bias);
-      return f32_mm(x, l.a, l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt, p.tiled_f32);
-    case kF32Panels:
-      return f32_mm_packed(x, l.a, l.group, l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt);
+      return f32_mm(x, l.a, bias, p.tiled_f32);
+    case kF32Panels: return f32_mm_packed(x, l.a, l.group, bias);
     case kInt4: y = int4_mm(x, l.a, l.b, l.c, l.group, p.tiled_int4); break;
     case kInt4A8: y = int4_mm_a8(x, l.a, l.b, l.c, l.group, p.tiled_a8); break;
     case kInt8: y = int8_mm(x, l.a, l.b, false, p.tiled_int8); break;

@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # Pin the CPU build of torch on this kind of machine; set CONSTRAINTS= to keep your own torch.
 CONSTRAINTS ?= -c constraints/cpu.txt
 
-.PHONY: install demo test test-slow lint clean bench-peers
+.PHONY: install demo test test-slow lint clean bench-peers bench-peers-avx2
 
 $(STAMP): pyproject.toml constraints/cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,11 +35,22 @@ test-slow: $(STAMP)
 	$(BIN)/python -m pytest -p no:cacheprovider -m slow
 
 # The peers of benchmarks/servers.py, into the same venv: llama.cpp's server through llama-cpp-python,
-# compiled here for this CPU (no prebuilt binary is fetched; ~10-30 min on 2 cores), and transformers'
-# serving extras. Optional: servers.py skips a peer that is not installed and says so.
+# compiled here for this CPU (no prebuilt binary is fetched; ~5-30 min on 2 cores), and transformers'
+# serving extras. Optional: servers.py skips a peer that is not installed and says so. llama.cpp is built
+# first, every time, without pip's wheel cache (a cached wheel, or the installed one, would keep another
+# build's ISA); then its dependencies and the rest of the extras.
+# bench-peers-avx2: llama.cpp as an AVX2-only CPU runs it (servers.py's docstring: emulating one).
+LLAMA_CPP_ISA ?= -DGGML_NATIVE=ON
+LLAMA_CPP_AVX2 := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+	-DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF
 bench-peers: $(STAMP)
-	CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF -DLLAMA_CURL=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 \
-		$(BIN)/pip install $(CONSTRAINTS) --no-binary llama-cpp-python -e '.[bench-peers]'
+	CMAKE_ARGS="$(LLAMA_CPP_ISA) -DGGML_BLAS=OFF -DLLAMA_CURL=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+		$(BIN)/pip install $(CONSTRAINTS) --no-cache-dir --force-reinstall --no-deps --no-binary llama-cpp-python \
+		"llama-cpp-python>=0.3.16"
+	$(BIN)/pip install $(CONSTRAINTS) -e '.[bench-peers]'
+
+bench-peers-avx2:
+	$(MAKE) bench-peers LLAMA_CPP_ISA="$(LLAMA_CPP_AVX2)"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

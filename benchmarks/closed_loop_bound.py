@@ -8,11 +8,11 @@ max_num_seqs = c); c requests of --prompt-len random token ids (the servers clie
 and --output-len tokens (EOS ignored, temperature 1.0 as the server's default) are added at once and stepped
 to the end. Prefill = the steps until the last prompt token is computed (they carry the early requests'
 first decode rows too, as a server's steps do), decode = the rest. The bound is benchmarks/servers.py's
-(`bound_phases_s`: prompts at the M = 128 GEMM rate, each decode step max(bytes / memory bandwidth, FLOPs / the
-M = c rate), attention's FLOPs and K/V bytes counted), its rates and bandwidth measured in every round just
-before the run, so a slow phase of a shared machine moves both. --chunks A,B: engines with those
-max_num_batched_tokens, alternating within each round; --kv-cache-dtypes auto,fp16: engines with those K/V caches
-(each bound reads its K/V size), alternating the same way.
+(`bound_phases_s`: prompts at the better GEMM rate of M = 128 and M = c x 128 up to 2,048, each decode step
+max(bytes / memory bandwidth, FLOPs / the M = c rate), attention's FLOPs and K/V bytes counted), its rates and
+bandwidth measured in every round just before the run, so a slow phase of a shared machine moves both.
+--chunks A,B: engines with those max_num_batched_tokens, alternating within each round; --kv-cache-dtypes
+auto,fp16: engines with those K/V caches (each bound reads its K/V size), alternating the same way.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 
 import torch
 from _common import memory_bandwidth_gbs
-from servers import PROMPT_LEN, bound_phases_s, kernel_rates, model_work
+from servers import bound_ms, bound_phases_s, kernel_rates, model_work, prompt_rate
 
 
 def run_once(engine, c: int, prompt_len: int, output_len: int, vocab: int, seed: int) -> tuple[float, float, int]:
@@ -80,19 +80,19 @@ def main() -> None:
         run_once(e, c, args.prompt_len, 4, vocab, seed=10**9 + n)
     print(f"{args.model} {args.quantization} ({kernel} kernels), c = {c}, prompts {args.prompt_len}, "
           f"{args.output_len} output tokens, {args.threads} thread(s); weights {wb / 1e6:.0f} MB")
-    print("\n| round | chunk | K/V | mem GB/s | GEMM M=128 / M=c GFLOP/s | prefill s (bound) | decode s (bound) | "
+    print("\n| round | chunk | K/V | mem GB/s | GEMM prompts / M=c GFLOP/s | prefill s (bound) | decode s (bound) | "
           "wall s (bound) | bound / wall | steps |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     runs: dict[tuple[int, str], list[tuple[float, float, float, float]]] = {k: [] for k in engines}  # (prefill, decode, bounds)
     for r in range(args.rounds):
         for (n, kv), engine in engines.items():
             bw = memory_bandwidth_gbs()
-            rate = kernel_rates(tuple(sorted({1, PROMPT_LEN, c})), shapes, (kernel,))[kernel]
+            rate = kernel_rates(bound_ms(c), shapes, (kernel,))[kernel]
             bp, bd = bound_phases_s(wb, params, head_params, bw, rate, c, args.output_len, args.prompt_len, attn,
                                     kv_pool_dtype(kv, torch.float32).itemsize)
             p, d, steps = run_once(engine, c, args.prompt_len, args.output_len, vocab, seed=r * 1000 + n)
             runs[n, kv].append((p, d, bp, bd))
-            print(f"| {r} | {n} | {kv} | {bw:.1f} | {rate[PROMPT_LEN]:.0f} / {rate[c]:.0f} | {p:.3f} ({bp:.3f}) | "
+            print(f"| {r} | {n} | {kv} | {bw:.1f} | {prompt_rate(rate, c):.0f} / {rate[c]:.0f} | {p:.3f} ({bp:.3f}) | "
                   f"{d:.3f} ({bd:.3f}) | {p + d:.3f} ({bp + bd:.3f}) | {(bp + bd) / (p + d):.3f} | {steps} |", flush=True)
     print()
     for (n, kv), rs in runs.items():

@@ -10,11 +10,12 @@ best static batching can do. Same process, same weights, same thread count.
 Prints, per concurrency: engine tok/s, HF tok/s, the ratio, and the engine's median per-step
 schedule, execute and sample(+update+detokenize) times, next to a hardware bound on output tok/s
 for the same workload (`workload_bound`): benchmarks/servers.py's bound for a closed loop of c requests
-(prompts at the M = 128 GEMM rate; decode steps of batch c, each max(weight + K/V bytes / memory bandwidth,
-matmul + attention FLOPs / the M = c rate)), once per wave of c requests. The rates are those of the kernel
-the engine runs, measured here over the model's own linear shapes (servers.kernel_rates "fp32": firstlight's
-fp32 tiles and oneDNN on a reordered weight, as `firstlight serve` and engine/llm.py `load` set up the model),
-not torch.mm's (MKL runs its AVX2 code on AMD CPUs: a bound from its rate sat below what the engine does).
+(prompts at the better GEMM rate of M = 128 and M = c x 128 up to 2,048; decode steps of batch c, each
+max(weight + K/V bytes / memory bandwidth, matmul + attention FLOPs / the M = c rate)), once per wave of c
+requests. The rates are those of the kernel the engine runs, measured here over the model's own linear shapes
+(servers.kernel_rates "fp32": firstlight's fp32 linears, as `firstlight serve` and engine/llm.py `load` set up the
+model: packed panels on AVX-512 builds, tiles and oneDNN elsewhere), not torch.mm's (MKL runs its AVX2 code on
+AMD CPUs: a bound from its rate sat below what the engine does).
 `--compile` adds, per concurrency, eager vs torch.compile'd shape-bucketed decode: alternating runs
 (`--compile-repeats`), medians, graphs built in a warm-up run first so compile time is excluded:
 
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import torch
 from _common import memory_bandwidth_gbs
-from servers import PROMPT_LEN, bound_phases_s, kernel_rates, model_work
+from servers import bound_ms, bound_phases_s, isas, kernel_rates, model_work, prompt_rate
 
 
 def make_prompts(num: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -177,15 +178,16 @@ def main() -> None:
     run_engine(model, tok, prompts_all[:2], 4, 2)  # warm-up
     work = model_work(path)
 
-    def measured(c: int) -> tuple[float, dict[int, float]]:  # mem GB/s, the engine's fp32 GFLOP/s at M = 128 and c
-        return memory_bandwidth_gbs(), kernel_rates(tuple(sorted({PROMPT_LEN, c})), work[3], ("fp32",))["fp32"]
+    def measured(c: int) -> tuple[float, dict[int, float]]:  # mem GB/s, the engine's fp32 GFLOP/s for the prompts and at c
+        return memory_bandwidth_gbs(), kernel_rates(bound_ms(c), work[3], ("fp32",))["fp32"]
 
     print(f"model {args.model}: {num_params / 1e6:.1f}M params fp32, threads={args.threads}, "
           f"prompt {args.prompt_len} / output {args.output_len}, K/V {args.kv_cache_dtype}; each bound from the memory bandwidth and the engine's "
-          "fp32 GEMM rates over the model's linears, measured just before and just after its engine run (mean)")
+          "fp32 GEMM rates over the model's linears, measured just before and just after its engine run (mean); "
+          + ", ".join(f"{k}: {v}" for k, v in isas().items() if k != "llama.cpp"))
     print(f"{'conc':>4} {'reqs':>4} {'engine tok/s':>13} {'HF tok/s':>9} {'ratio':>6} {'bound tok/s':>11} "
           f"{'eng %':>6} {'HF %':>5} {'sched ms':>9} {'exec ms':>8} {'sample ms':>9} {'decode exec ms':>14} "
-          f"{'GFLOP/s':>8}  mem GB/s, GFLOP/s at M = 128 / c")
+          f"{'GFLOP/s':>8}  mem GB/s, GFLOP/s of prompts / at M = c")
     results = []
     for c in args.concurrency:
         n = args.num_requests_c1 if (c == 1 and args.num_requests_c1) else args.num_requests
@@ -206,7 +208,7 @@ def main() -> None:
         print(f"{c:>4} {n:>4} {eng['tok_s']:>13.1f} {hf_s:>9} {ratio:>6} {bound['tok_s']:>11.1f} "
               f"{100 * eng['tok_s'] / bound['tok_s']:>6.0f} {hf_pct:>5} {eng['median_schedule_ms']:>9.3f} "
               f"{eng['median_execute_ms']:>8.2f} {eng['median_sample_ms']:>9.3f} "
-              f"{eng['median_decode_execute_ms']:>14.2f} {gflops:>8.1f}  {bandwidth:.1f}, {rates[PROMPT_LEN]:.0f} / {rates[c]:.0f}",
+              f"{eng['median_decode_execute_ms']:>14.2f} {gflops:>8.1f}  {bandwidth:.1f}, {prompt_rate(rates, c):.0f} / {rates[c]:.0f}",
               flush=True)
         row = {"concurrency": c, "num_requests": n, "engine": eng, "hf": hf, "gflop_s": gflops, "bound": bound,
                "copy_bandwidth_gbs": bandwidth, "gemm_gflops": rates}
@@ -214,7 +216,7 @@ def main() -> None:
             row["compile"] = compare_compiled(model, tok, prompts, args.output_len, c, args.compile_repeats)
         results.append(row)
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=1))
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "isas": isas(), "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ of batch c costs max(weight bytes / memory bandwidth, c x 2 x matmul params FLOP
 at M = c), the rate measured over the model's own linear shapes (one layer's and a slice of the head, in
 their proportions of a forward's FLOPs, each hot in cache: `kernel_rates`); a prompt of P tokens (P: the
 mean the client reports sending, 128 random tokens plus its cache-bust nonce) costs 2 x (P x the layers'
-matmul params + the head's) / GEMM rate at M = 128 (only the last prompt token needs logits) and yields the
+matmul params + the head's) / GEMM rate (only the last prompt token needs logits; the rate: the better of M = 128
+and M = c x 128 up to the engine's 2,048-row step, where c prompts can share one GEMM) and yields the
 first output token, so a request of n output tokens takes n - 1 decode steps. Attention is work too: its
 FLOPs (4 x heads x head dim per query per visible key and layer: q.k and p.v) go with the matmuls' at the same
 GEMM rate, and a decode step also reads every row's K and V (the server's KV element size: fp32 for ours and
@@ -42,6 +43,12 @@ uses the mean of those two (this machine's GEMM rate moved from 255 to 433 GFLOP
 a bound measured once can sit in another phase than the run it bounds). llama.cpp's kernels are not
 measured here: its bound uses the GGUF's bytes and our w4a8 GEMM rate (the Q4_1 x Q8_1 dot products it runs
 are w4a8's int4 x int8 multiply-adds).
+
+The instruction sets in use head the tables (`isas`): firstlight's kernel build, ATen's CPU capability, oneDNN's
+limit and llama.cpp's build. An AVX2-only CPU (the issue's) is emulated on a wider one by limiting all of them,
+each server inheriting the environment: `make bench-peers-avx2` (llama.cpp without AVX-512), then
+`FIRSTLIGHT_CPU_KERNELS_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .../servers.py ...` (fbgemm, under
+w8a8, keeps its own dispatch: it ignores all three).
 """
 
 from __future__ import annotations
@@ -71,6 +78,24 @@ if TYPE_CHECKING:
 
 PY = sys.executable
 PROMPT_LEN, CLOSED_OUT, SINGLE_OUT = 128, 32, 128
+MAX_PROMPT_ROWS = 2048  # the engine's default max_num_batched_tokens: the most prompt rows one step multiplies
+
+
+def prompt_rows(c: int) -> int:
+    """The rows a closed loop of c requests can give its prompts' matmuls at once: its c prompts, up to one step's
+    (the bound's prompt rate is the better of this and one prompt's: a kernel may run faster at 2,048 rows)."""
+    return min(c * PROMPT_LEN, MAX_PROMPT_ROWS)
+
+
+def bound_ms(c: int) -> tuple[int, ...]:
+    """The M values of the kernel rates a closed-loop bound of c requests reads: one prompt, c prompts, c rows."""
+    return tuple(sorted({PROMPT_LEN, prompt_rows(c), c}))
+
+
+def prompt_rate(rate: dict[int, float], c: int) -> float:
+    """GFLOP/s the bound gives the prompts of a closed loop of c (rates recorded before 2,048 rows were measured:
+    one prompt's)."""
+    return max(rate[PROMPT_LEN], rate.get(prompt_rows(c), 0.0))
 
 
 @dataclass
@@ -118,6 +143,25 @@ class AttentionShape:
 
 
 # ---- measured rates ------------------------------------------------------------------------------
+def isas() -> dict[str, str]:
+    """The instruction sets each side runs here (the environment limits them: module docstring)."""
+    from firstlight import kernels
+
+    out = {"firstlight kernels": kernels.load_kernel() or "none (aten)",
+           "ATen": torch.backends.cpu.get_cpu_capability(),
+           "oneDNN max": os.environ.get("ONEDNN_MAX_CPU_ISA", "all")}
+    if importlib.util.find_spec("llama_cpp") is not None:
+        try:
+            import llama_cpp
+
+            info = llama_cpp.llama_print_system_info().decode()
+            out["llama.cpp"] = " ".join(f for f in ("AVX2", "AVX512", "AVX512_VNNI", "AVX_VNNI")
+                                        if f"{f} = 1" in info) or "none of AVX2 / AVX-512"
+        except Exception as e:  # noqa: BLE001 - a broken peer install: say so, the run still reports it skipped
+            out["llama.cpp"] = f"unknown ({type(e).__name__})"
+    return out
+
+
 KERNELS = ("fp32", "fp32-blas", "int8", "int4", "w4a8", "w8a8")
 
 
@@ -188,7 +232,7 @@ def bound_phases_s(weight_bytes: int, params: int, head_params: int, bw_gbs: flo
     """The least time of a closed loop of c requests (prompt, output_len): (the c prompts, the decode steps)."""
     p = round(prompt_len)
     attn_flops = sum(attn.flops(i) for i in range(1, p + 1)) if attn else 0.0  # the causal prompt
-    prefill_s = (2 * (prompt_len * (params - head_params) + head_params) + attn_flops) / (rate[PROMPT_LEN] * 1e9)
+    prefill_s = (2 * (prompt_len * (params - head_params) + head_params) + attn_flops) / (prompt_rate(rate, c) * 1e9)
     decode_s = sum(step_s(weight_bytes, params, bw_gbs, rate, c, p + j, attn, kv_bytes)
                    for j in range(1, output_len))  # step j: each row's query sees p + j keys
     return c * prefill_s, decode_s
@@ -340,7 +384,7 @@ def run_server(server: Server, args: argparse.Namespace, port: int, out: Path) -
             force_length(server, CLOSED_OUT)
             for c in args.concurrency:
                 n = args.num_requests_c1 if c == 1 else args.num_requests
-                res[f"c{c}"], res[f"bound_c{c}"] = measured_beside(server, args, (c, PROMPT_LEN), lambda c=c, n=n: bench(
+                res[f"c{c}"], res[f"bound_c{c}"] = measured_beside(server, args, bound_ms(c), lambda c=c, n=n: bench(
                     server, port, out / server.name / f"c{c}", tok, args.bench_root, *common, "--output-len",
                     str(CLOSED_OUT), "--concurrency", str(c), "--num-requests", str(n), "--warmup-requests", "1"))
         if "poisson" in workloads:
@@ -417,7 +461,7 @@ def main() -> None:
     params, head_params, attn, shapes = model_work(args.tokenizer)
     args.shapes = shapes
     bw = memory_bandwidth_gbs()
-    rates = kernel_rates(tuple(sorted({1, PROMPT_LEN, *args.concurrency})), shapes)
+    rates = kernel_rates(tuple(sorted({1, *(m for c in args.concurrency for m in bound_ms(c))})), shapes)
     port = free_port()
     load0 = os.getloadavg()
     results, skipped = [], {}
@@ -437,7 +481,7 @@ def main() -> None:
         results.append(r)
         (out / "servers.json").write_text(json.dumps({"results": results, "skipped": skipped}, indent=1))
     load1 = os.getloadavg()
-    summary = {"model": args.model, "threads": args.threads, "copy_bandwidth_gbs": bw, "gemm_gflops": rates,
+    summary = {"model": args.model, "threads": args.threads, "isas": isas(), "copy_bandwidth_gbs": bw, "gemm_gflops": rates,
                "matmul_params": params, "head_params": head_params, "attention": dataclasses.asdict(attn),
                "load_average": [load0, load1], "results": results, "skipped": skipped, "slo": args.slo}
     (out / "servers.json").write_text(json.dumps(summary, indent=1))
@@ -456,7 +500,8 @@ def print_tables(s: dict, args: argparse.Namespace) -> None:
           f"{' (at the start; each bound below uses the rates measured beside its run)' if beside_runs else ''}: "
           + "; ".join(
               f"{k} " + "/".join(f"{v[m]:.0f}" for m in sorted(v)) for k, v in rates.items())
-          + f"; load average {la[0][0]:.1f} before, {la[1][0]:.1f} after, on {os.cpu_count()} CPUs")
+          + f"; load average {la[0][0]:.1f} before, {la[1][0]:.1f} after, on {os.cpu_count()} CPUs"
+          + "".join(f"; {k}: {v}" for k, v in s.get("isas", {}).items()))
     print("\n| server | weights MB | decode tok/s (bound) | TTFT ms | " + " | ".join(
         f"c={c} tok/s (bound)" for c in args.concurrency) + " | out tok/req | start s | 1st / 2nd request s |")
     print("|---|---:|---:|---:|" + "---:|" * len(args.concurrency) + "---:|---:|---:|")

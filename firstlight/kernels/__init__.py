@@ -42,10 +42,11 @@ VNNI_TILE = 16  # output rows per int32 register of the VNNI layout (pack_int4_v
 TILED_ISAS = ("avx512vnni", "avx2")  # the builds whose int4_mm_a8 takes that layout (int4_vnni.cpp)
 HEADERS = (SOURCE.with_name("firstlight_kernels.h"),)
 BLOCK = 32  # input channels per 16-byte block of nibbles
-# Above this many activation rows, int4_mm dequantizes slabs and calls at::mm; from 6 rows up to it, the
-# dequantized-panel tiles. At 2 threads (with the kernels built with OpenMP) a 128-token prefill of SmolLM2 int4
-# takes 313 ms with panels vs 441 ms through the BLAS; at 1,024 rows the two are within this machine's noise
-# (2.1-2.6 s vs 2.6-3.1 s), so prompts longer than 128 tokens keep the BLAS. int4_mm_a8's own tiles keep 16.
+# Above this many activation rows, int4_mm dequantizes slabs and multiplies each on our fp32 panels (AVX-512
+# builds; the BLAS elsewhere); from 6 rows up to it, the dequantized-panel tiles. At 2 threads (with the kernels
+# built with OpenMP) a 128-token prefill of SmolLM2 int4 took 313 ms with the tiles vs 441 ms through the BLAS; on
+# the AVX-512 build the tiles and the dequantized slabs on panels tie at 128 rows (211 / 212 ms a forward) and
+# the tiles win at 32 (65 vs 128 ms). int4_mm_a8's own tiles keep 16.
 MAX_TILED_M = 128
 A8_MAX_TILED_M = 16
 # int8_mm: the register tiles (fp32 activations) beat dequantize + mm up to at least 128 rows at 1 thread (the

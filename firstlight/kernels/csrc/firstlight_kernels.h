@@ -24,7 +24,8 @@ at::Tensor int4_dequant_vnni(const at::Tensor& packed, const at::Tensor& d, cons
 // f32_gemm.cpp
 at::Tensor f32_mm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                   int64_t max_tiled_m);
-// x [M, K] @ w^T (+ bias) on f32_pack(w) [ceil(N / 32), K, 32]
+// w [N, K] fp32 -> [ceil(N / 32), K, 32]; x [M, K] @ w^T (+ bias) on f32_pack(w)
+at::Tensor f32_pack(const at::Tensor& w);
 at::Tensor f32_mm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                          const c10::optional<at::Tensor>& bias);
 

@@ -13,7 +13,8 @@
 // register tiles of NR x MR straight from the int8 rows (no dequantization fma to amortize) with software
 // prefetch. Figures (benchmarks/int4_kernel.py --threads 1, 1 thread, same-run vs the earlier per-row tiles):
 // int4 M = 8: 1.0-1.3x, M = 16-32: 1.1-1.5x (48-61 GFLOP/s; ~70 peak); int8 M = 2-64: 1.2-1.5x (50-65 GFLOP/s).
-// Threads: at::parallel_for over output rows. Larger M: dequantize slabs (same fma) and at::mm.
+// Threads: at::parallel_for over output rows. Larger M: dequantize slabs (same fma), each multiplied on our fp32
+// panels (AVX-512 builds) or the BLAS (slab_mm).
 // Also: int4_mm_a8 (int8 activations per block of 32, integer dot products: the w4a8 format) and int8_mm
 // (per-row int8 weights, aten._weight_int8pack_mm's layout: the int8 linears and tied LM head on CPU).
 
@@ -689,6 +690,17 @@ at::Tensor int4_dequant(const at::Tensor& packed, const at::Tensor& d, const at:
   return w;
 }
 
+// A prefill's product with one dequantized fp32 slab of the weight, x [M, K] @ w [len, K]^T: on AVX-512 builds our
+// packed panels (f32_gemm.cpp: the slab packed, then its AVX-512 micro-kernel), since torch's BLAS (MKL) runs its
+// AVX2 code on AMD CPUs; elsewhere the BLAS
+static at::Tensor slab_mm(const at::Tensor& xf, const at::Tensor& w) {
+#ifdef __AVX512F__
+  return f32_mm_packed(xf, f32_pack(w), w.size(0), c10::nullopt);
+#else
+  return at::mm(xf, w.t());
+#endif
+}
+
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
                    int64_t G, int64_t max_tiled_m) {
   check_args(packed, d, m, G);
@@ -696,14 +708,14 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "firstlight::int4_mm x must be [M, ", K, "], got ", x.sizes());
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t M = xf.size(0);
-  if (M > max_tiled_m) {  // prefill: dequantize (the same fma) a slab of rows at a time, then at::mm
+  if (M > max_tiled_m) {  // prefill: dequantize (the same fma) a slab of rows at a time, then slab_mm
     const int64_t slab = std::max<int64_t>(64, (int64_t{1} << 20) / K);  // ~4 MiB of fp32 weight
-    if (N <= slab) return at::mm(xf, int4_dequant(packed, d, m, G).t());
+    if (N <= slab) return slab_mm(xf, int4_dequant(packed, d, m, G));
     at::Tensor y = at::empty({M, N}, xf.options());
     for (int64_t n0 = 0; n0 < N; n0 += slab) {
       const int64_t len = std::min(slab, N - n0);
       const at::Tensor w = int4_dequant(packed.narrow(0, n0, len), d.narrow(0, n0, len), m.narrow(0, n0, len), G);
-      y.narrow(1, n0, len).copy_(at::mm(xf, w.t()));
+      y.narrow(1, n0, len).copy_(slab_mm(xf, w));
     }
     return y;
   }
@@ -801,14 +813,14 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   // int8 activations: dx per block, then the (unused) sum
   const firstlight::RowsQ8 q8 = act_int8 ? firstlight::quantize_rows_q8(xf, K) : firstlight::RowsQ8{};
   const at::Tensor &qx = q8.qx, &sc = q8.sc;
-  if (M > max_tiled_m) {  // prefill: dequantize a slab of rows at a time (exact: int8 * fp32 scale), at::mm
+  if (M > max_tiled_m) {  // prefill: dequantize a slab of rows at a time (exact: int8 * fp32 scale), slab_mm
     if (act_int8)
       xf = (qx.to(at::kFloat).view({M, nblocks, kBlock}) * sc.narrow(1, 0, nblocks).unsqueeze(2)).view({M, K});
     const int64_t slab = std::max<int64_t>(64, (int64_t{1} << 20) / K);
     for (int64_t n0 = 0; n0 < N; n0 += slab) {
       const int64_t len = std::min(slab, N - n0);
       const at::Tensor w = q.narrow(0, n0, len).to(at::kFloat) * sf.narrow(0, n0, len).unsqueeze(1);
-      y.narrow(1, n0, len).copy_(at::mm(xf, w.t()));
+      y.narrow(1, n0, len).copy_(slab_mm(xf, w));
     }
     return y;
   }

@@ -748,6 +748,15 @@ def _limit(value: Any, key: str) -> float:
         raise ValueError(f"time_step_limit {key} = {value!r} is not a number (e.g. [0.0, \"Infinity\"])") from None
 
 
+def _dt_limit(cfg: dict[str, Any]) -> tuple[float, float]:
+    """The [min, max] that dt is clamped to after its softplus: `time_step_limit` (or the legacy `mamba_dt_limit`),
+    default none."""
+    limit = cfg.get("time_step_limit", cfg.get("mamba_dt_limit")) or (0.0, math.inf)
+    if not isinstance(limit, list | tuple) or len(limit) != 2:
+        raise ValueError(f"time_step_limit = {limit!r} must be a [min, max] pair")
+    return _limit(limit[0], "min"), _limit(limit[1], "max")
+
+
 def _mamba(cfg: dict[str, Any], hidden: int) -> Mamba2Config:
     num_heads = _positive(cfg, "mamba_n_heads", 128)
     expand = _positive(cfg, "mamba_expand", 2)
@@ -756,9 +765,7 @@ def _mamba(cfg: dict[str, Any], hidden: int) -> Mamba2Config:
     if num_heads * head_dim != expand * hidden:
         raise ValueError(f"mamba_n_heads ({num_heads}) x mamba_d_head ({head_dim}) must equal "
                          f"mamba_expand ({expand}) x hidden_size ({hidden})")
-    limit = cfg.get("time_step_limit") or (0.0, math.inf)
-    if not isinstance(limit, list | tuple) or len(limit) != 2:
-        raise ValueError(f"time_step_limit = {limit!r} must be a [min, max] pair")
+    dt_min, dt_max = _dt_limit(cfg)
     return Mamba2Config(
         num_heads=num_heads,
         head_dim=head_dim,
@@ -768,21 +775,23 @@ def _mamba(cfg: dict[str, Any], hidden: int) -> Mamba2Config:
         chunk_size=_int(cfg, "mamba_chunk_size", 256),
         conv_bias=bool(cfg.get("mamba_conv_bias", True)),
         proj_bias=bool(cfg.get("mamba_proj_bias", False)),
-        time_step_min=_limit(limit[0], "min"),
-        time_step_max=_limit(limit[1], "max"),
+        time_step_min=dt_min,
+        time_step_max=dt_max,
         activation=str(cfg.get("hidden_act") or "silu"),
     )
 
 
 def _nemotron_mamba(cfg: dict[str, Any]) -> Mamba2Config:
     """Nemotron-H's Mamba-2 sizes (transformers' NemotronHConfig names and defaults, the legacy mamba_*
-    spellings it also reads). Width is mamba_num_heads x mamba_head_dim (`expand` is not used). dt is
-    clamped from below at time_step_min, as transformers' mixer does (`time_step_limit` is not read)."""
+    spellings it also reads). Width is mamba_num_heads x mamba_head_dim (`expand` is not used). dt is clamped to
+    time_step_limit, as transformers' mixer does from 5.25 on (as Mamba-2's dt_limit; `time_step_min` only sets the
+    dt bias's initial range). transformers up to 5.24 clamped at time_step_min instead, in prefill only."""
     def get(key: str, legacy: str, default: int) -> int:
         return _int(cfg, key if key in cfg else legacy, default)
 
     num_heads = _positive(cfg, "mamba_num_heads", 128)
     groups = get("n_groups", "mamba_n_groups", 8)
+    dt_min, dt_max = _dt_limit(cfg)
     if groups < 1 or num_heads % groups:
         raise ValueError(f"config field 'mamba_num_heads' ({num_heads}) must be a multiple of 'n_groups' ({groups})")
     return Mamba2Config(
@@ -794,7 +803,8 @@ def _nemotron_mamba(cfg: dict[str, Any]) -> Mamba2Config:
         chunk_size=get("chunk_size", "mamba_chunk_size", 128),
         conv_bias=bool(cfg.get("use_conv_bias", cfg.get("mamba_conv_bias", True))),
         proj_bias=bool(cfg.get("use_bias", False)),
-        time_step_min=_limit(cfg.get("time_step_min", cfg.get("mamba_dt_min", 0.001)), "min"),
+        time_step_min=dt_min,
+        time_step_max=dt_max,
         activation=str(cfg.get("mamba_hidden_act", "silu")),
     )
 

@@ -11,10 +11,9 @@ Against Granite 4.0-H (granitemoehybrid.py), which pairs every mixer with an FFN
 module and one norm per layer; no muP multipliers; MLPs are ungated, down(relu(up(x))^2); the MoE
 routes DeepSeek-V3 style (moe.py's SigmoidGroupRouter) over ungated experts, optionally in a latent
 width, and always adds a shared MLP; attention has no biases whatever `attention_bias` says. The Mamba-2
-mixer is Granite's, with the gated norm over n_groups groups, and dt clamped from below at
-time_step_min: transformers clamps there in its chunked scan (prefill) and not in its one-token decode
-step; ours clamps in both, so a decode step equals the full forward (they differ from transformers'
-decode only where softplus(dt) < time_step_min, 1e-3).
+mixer is Granite's, with the gated norm over n_groups groups, and dt clamped to time_step_limit (none by
+default) in prefill and decode alike, as transformers from 5.25 on and Mamba-2's dt_limit; time_step_min only
+sets the dt bias's initial range (transformers up to 5.24 clamped there, in its chunked scan only).
 
 HF module names are kept (`layers.i.norm`, `layers.i.mixer`); hf_names.py maps the embedding and the
 final norm (`embeddings`, `norm_f`) and the `backbone.` prefix of the checkpoint files.

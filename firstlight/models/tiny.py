@@ -101,9 +101,9 @@ TINY: dict[str, dict[str, Any]] = {
     # hybrid: one module per layer in a Nemotron-H-like pattern (Mamba-2, relu2 MLP, NoPE attention, MoE),
     # 2 SSM groups, Mamba projection biases, DeepSeek-V3 routing over 2 expert groups with a scaling
     # factor and a random correction bias (drawn in `_randomize`), a scan chunk shorter than the prompts.
-    # dt biases as trained (`_draw_dt_bias`) with time_step_min ~0: transformers clamps dt at time_step_min
-    # in prefill but not in decode, so a clamp that bites makes its own generate disagree with its forward
-    # (test_nemotron_h.py checks the clamp on its own)
+    # dt biases as trained (`_draw_dt_bias`) with time_step_min ~0: transformers up to 5.24 clamped dt at
+    # time_step_min in prefill but not in decode, so a clamp that bites made its own generate disagree with its
+    # forward (test_nemotron_h.py checks the time_step_limit clamp on its own)
     "nemotron_h": {
         "tie_word_embeddings": False, "num_hidden_layers": 7, "hybrid_override_pattern": "M-M*-EM",
         "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16, "conv_kernel": 4,

@@ -5,7 +5,9 @@ checkpoint run in test_parity.py with every family."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import math
 import shutil
 
 import pytest
@@ -17,6 +19,11 @@ from firstlight.models.hf_names import checkpoint_names, hf_module_name, hf_name
 from firstlight.models.loader import load_model
 from firstlight.models.tiny import tiny_config, write_tiny_checkpoint
 from tests.models.parity import FP32_REL_TOL, hf_reference, incremental_error, logit_errors
+
+# transformers clamps Nemotron-H's dt to time_step_limit from 5.25 on (at time_step_min before, in prefill only)
+NEEDS_DT_LIMIT = pytest.mark.skipif(
+    tuple(int(p) for p in importlib.metadata.version("transformers").split(".")[:2]) < (5, 25),
+    reason="transformers < 5.25 clamps Nemotron-H's dt at time_step_min, not time_step_limit")
 
 PATTERN = (MAMBA, MLP, MAMBA, FULL, MLP, MOE, MAMBA)  # the tiny's "M-M*-EM"
 
@@ -35,7 +42,11 @@ def test_layer_pattern_in_its_spellings_and_derived_fields():
     assert saved.layer_types == PATTERN and saved.num_layers == 7
     m = hub.mamba
     assert (m.num_heads, m.head_dim, m.num_groups, m.state_size, m.conv_kernel) == (8, 16, 2, 16, 4)
-    assert m.proj_bias and m.conv_bias and m.activation == "silu" and m.time_step_min == 1e-9
+    assert m.proj_bias and m.conv_bias and m.activation == "silu"
+    # dt's clamp is time_step_limit (none by default); time_step_min only sets the dt bias's initial range
+    assert (m.time_step_min, m.time_step_max) == (0.0, math.inf)
+    assert (_cfg(time_step_limit=[1e-3, 0.1]).mamba.time_step_min, _cfg(mamba_dt_limit=[0.0, 0.5]).mamba.time_step_max) \
+        == (1e-3, 0.5)
     assert hub.hidden_act == "relu2" and not hub.use_rope and not hub.tie_word_embeddings
     assert not hub.qkv_bias and not _cfg(attention_bias=True).o_bias  # transformers builds them without bias
     moe = hub.moe
@@ -102,8 +113,10 @@ def test_wrong_expert_count_is_named(tiny_dirs, tmp_path):
 
 
 @pytest.mark.parametrize("overrides", [
-    # transformers clamps dt at time_step_min in its forward: a clamp that bites in slow heads
-    pytest.param({"time_step_min": 1e-3}, id="dt-clamp"),
+    # dt clamped to time_step_limit: a clamp that bites in slow heads; time_step_min is no clamp (transformers up to
+    # 5.24 clamped there instead, in prefill only: those versions are no reference for either case)
+    pytest.param({"time_step_limit": [1e-3, math.inf]}, id="dt-limit-clamp", marks=NEEDS_DT_LIMIT),
+    pytest.param({"time_step_min": 1e-3}, id="dt-min-no-clamp", marks=NEEDS_DT_LIMIT),
     # experts in a latent width; routing over all experts in one group, unscaled, not renormalized
     pytest.param({"moe_latent_size": 24, "n_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": False,
                   "hybrid_override_pattern": "*EM-", "num_hidden_layers": 4, "n_groups": 1, "use_bias": False},
@@ -121,7 +134,7 @@ def test_variants_match_reference(tmp_path, overrides):
 
 def test_dt_clamp_bites_in_the_clamp_variant(tmp_path):
     """The dt-clamp variant above is not vacuous: without the clamp the logits move."""
-    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", "nemotron_h", seed=5, time_step_min=1e-3)
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", "nemotron_h", seed=5, time_step_limit=[1e-3, math.inf])
     ours, _ = load_model(ckpt, with_tokenizer=False)
     ids = torch.randint(0, 384, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -8,12 +8,18 @@ Servers (each optional; a missing one is reported with the reason and skipped):
   firstlight-{...}-kv16             the same with `--kv-cache-dtype fp16` (llama.cpp's default cache storage)
   hf-serve                          `transformers serve --continuous-batching` (fp32)
   llama-cpp                         llama-cpp-python's server on the GGUF `models pull` fetched (`make bench-peers`)
+  llama-server                      llama.cpp's own server, 32 parallel slots (`make bench-peers-server`)
 
 Workloads (through `python -m firstlight.cli bench run`, streaming completions, random token prompts):
   single    1 request at a time, prompt 128, 128 output tokens: decode tok/s = 1000 / median TPOT, TTFT
   closed    closed loop at c = 1, 8, 32: 32 requests (c=1: --num-requests-c1), prompt 128, 32 output tokens
   poisson   Poisson arrivals swept over --rates, lognormal prompt (median 128) and output (median 32)
             lengths (sigma 0.5), goodput at --slo
+
+--rounds N runs every server N times, the order alternating round by round (this machine's speed drifts by up
+to 1.4x between runs minutes apart, so one run per server compares phases, not servers):
+the tables print each figure's median over the rounds, and a per-round table each firstlight server's ratio to
+the best peer of the same round, with the median and range of those ratios.
 
 Every run busts prefix caches (`--cache-bust`: a per-run nonce starts every prompt). Without it the runs
 share prompts (same seed), and a server with a prefix cache (firstlight's, on by default) prefills only
@@ -57,9 +63,12 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import math
 import os
+import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -77,6 +86,7 @@ if TYPE_CHECKING:
     from firstlight.models.config import ModelConfig
 
 PY = sys.executable
+LLAMA_SERVER = Path(PY).with_name("llama-server")  # `make bench-peers-server` puts llama.cpp's server there
 PROMPT_LEN, CLOSED_OUT, SINGLE_OUT = 128, 32, 128
 MAX_PROMPT_ROWS = 2048  # the engine's default max_num_batched_tokens: the most prompt rows one step multiplies
 
@@ -169,7 +179,11 @@ def kernel_rates(ms: tuple[int, ...], shapes: list[tuple[int, int, int]],
                  formats: tuple[str, ...] = KERNELS) -> dict[str, dict[int, float]]:
     """GFLOP/s of each kernel at M rows over the model's own linears, hot: shapes = (N, K, copies per forward
     token) of one layer's linears (copies: the number of layers) and a slice of the head (copies: the head's
-    rows / the slice's); the rate = their FLOPs / the time of one pass, each shape timed on its own, repeated."""
+    rows / the slice's); the rate = their FLOPs / the time of one pass, each shape timed on its own, repeated.
+    A shape is timed as it is and with its rows repeated (`rows_rep`), and the faster per row counts: a small
+    call (M = 1 x 576 x 576 is 0.7 MFLOP) pays ~20 us of Python module, dispatch and thread wake-up that the
+    native decode step does not, and with the shape alone the int4 single-stream bound came out at 80 tok/s
+    against a measured 102.5 (2026-12-04); repeated, the same kernel ran 1.6-3.2x faster per row."""
     import copy
 
     from firstlight.quant import get_format
@@ -179,23 +193,37 @@ def kernel_rates(ms: tuple[int, ...], shapes: list[tuple[int, int, int]],
     secs = {f: {m: 0.0 for m in ms} for f in formats}
     with torch.inference_mode():
         for n, k, copies in shapes:
-            lin = torch.nn.Linear(k, n, bias=False).requires_grad_(False)
-            ours = copy.deepcopy(lin)
-            use_f32_kernel(ours)  # what `firstlight serve` runs fp32 linears on (f32_mm, oneDNN above onednn_min_rows())
-            layers = {"fp32": ours, "fp32-blas": lin,
-                      **{f: get_format(f).quantize_linear(lin) for f in formats if not f.startswith("fp32")}}
-            layers = {f: layers[f] for f in formats}
+            reps = sorted({1, *(rows_rep(m, n, k) for m in ms)})
+            best = {f: {m: math.inf for m in ms} for f in formats}  # seconds per call of the shape's own N rows
+            for rep in reps:
+                lin = torch.nn.Linear(k, n * rep, bias=False).requires_grad_(False)
+                ours = copy.deepcopy(lin)
+                use_f32_kernel(ours)  # what `firstlight serve` runs fp32 linears on (f32_mm, oneDNN above onednn_min_rows())
+                layers = {"fp32": ours, "fp32-blas": lin,
+                          **{f: get_format(f).quantize_linear(lin) for f in formats if not f.startswith("fp32")}}
+                for m in ms:
+                    if rep not in (1, rows_rep(m, n, k)):
+                        continue
+                    x = torch.randn(m, k)
+                    calls = max(3, int(4e8 // (2 * m * k * n * rep)))  # ~1 ms or more per sample
+                    for name in formats:
+                        def run(layer=layers[name], x=x, calls=calls) -> None:
+                            for _ in range(calls):
+                                layer(x)
+                        run()
+                        best[name][m] = min(best[name][m], median_time(run, 5) / calls / rep)
             for m in ms:
-                x = torch.randn(m, k)
-                calls = max(3, int(4e8 // (2 * m * k * n)))  # ~1 ms or more per sample: the kernel, not the call
                 flops[m] += 2 * m * k * n * copies
-                for name, layer in layers.items():
-                    def run(layer=layer, x=x, calls=calls) -> None:
-                        for _ in range(calls):
-                            layer(x)
-                    run()
-                    secs[name][m] += median_time(run, 5) / calls * copies
+                for name in formats:
+                    secs[name][m] += best[name][m] * copies
     return {name: {m: flops[m] / secs[name][m] / 1e9 for m in ms} for name in formats}
+
+
+def rows_rep(m: int, n: int, k: int, min_flops: float = 4e7, max_bytes: float = 16e6) -> int:
+    """How many times kernel_rates repeats a shape's N rows so one call does >= min_flops (its fixed cost then
+    weighs little), while its fp32 weight stays <= max_bytes (hot in this machine's 32 MB L3: the rate is
+    compute, the memory side of the bound is the copy bandwidth's)."""
+    return max(1, min(math.ceil(min_flops / (2 * m * n * k)), int(max_bytes // (4 * n * k))))
 
 
 def model_shapes(model: torch.nn.Module, head_slice: int = 4096) -> list[tuple[int, int, int]]:
@@ -292,16 +320,26 @@ def servers(args: argparse.Namespace, port: int) -> list[Server]:
                               str(args.threads), "--n_ctx", "4096", "--model_alias", args.model,
                               "--interrupt_requests", "False"],  # default: a new request cuts the running stream
                 args.model, "w4a8", 0, length_by="min_tokens", kv_bytes=2)  # its KV cache: f16
+    # llama.cpp's own server (`make bench-peers-server`): parallel slots with continuous batching, where
+    # llama-cpp-python's server answers one request at a time. 1,024 tokens of context per slot.
+    ls = Server("llama-server", [str(LLAMA_SERVER), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                                 "--threads", str(args.threads), "--threads-batch", str(args.threads),
+                                 "--parallel", "32", "--ctx-size", str(32 * 1024), "--alias", args.model],
+                args.model, "w4a8", 0, kv_bytes=2)
     if importlib.util.find_spec("llama_cpp") is None:
         ll.missing = "llama-cpp-python is not installed (make bench-peers builds it)"
-    elif gguf is None:
-        ll.missing = f"{args.model} has no GGUF in the hub"
-    else:
+    if not LLAMA_SERVER.is_file():
+        ls.missing = f"{LLAMA_SERVER} not found (make bench-peers-server builds it)"
+    for peer in (ll, ls):
+        if gguf is None:
+            peer.missing = f"{args.model} has no GGUF in the hub"
+        if peer.missing or peer.name not in args.servers:
+            continue
         if not gguf.is_file():
             gguf.parent.mkdir(parents=True, exist_ok=True)
             hub.obtain_gguf(hub.KNOWN_MODELS[args.model], gguf.parent)
-        ll.weight_bytes = gguf.stat().st_size
-    out.append(ll)
+        peer.weight_bytes = gguf.stat().st_size
+    out += [ll, ls]
     return [s for s in out if s.name in args.servers]
 
 
@@ -380,6 +418,8 @@ def run_server(server: Server, args: argparse.Namespace, port: int, out: Path) -
             res["single"], res["bound_single"] = measured_beside(server, args, (1, PROMPT_LEN), lambda: bench(
                 server, port, out / server.name / "single", tok, args.bench_root, *common, "--output-len",
                 str(SINGLE_OUT), "--concurrency", "1", "--num-requests", "3", "--warmup-requests", "1"))
+            if server.name.startswith("llama"):
+                res["single"]["own_decode_tok_s"] = llama_eval_tok_s(out / f"{server.name}.log", 3)
         if "closed" in workloads:
             force_length(server, CLOSED_OUT)
             for c in args.concurrency:
@@ -397,6 +437,15 @@ def run_server(server: Server, args: argparse.Namespace, port: int, out: Path) -
     finally:
         stop(proc)
     return res
+
+
+def llama_eval_tok_s(log: Path, n: int) -> float | None:
+    """llama.cpp's own decode rate over the last n single-stream requests: the median of the `eval time` lines
+    (llama_decode's time, no HTTP, sampling or Python) of the requests that decoded SINGLE_OUT - 1 tokens."""
+    runs = [(float(ms), int(k)) for ms, k in re.findall(  # llama-cpp-python's log: "N runs"; llama-server's: "N tokens"
+        r"(?<!prompt )\beval time =\s*([\d.]+) ms /\s*(\d+) (?:runs|tokens)", log.read_text())]
+    rates = [1e3 * k / ms for ms, k in runs if k >= SINGLE_OUT - 1 and ms > 0][-n:]
+    return statistics.median(rates) if rates else None
 
 
 def measured_beside(server: Server, args: argparse.Namespace, ms: tuple[int, ...],
@@ -420,6 +469,72 @@ def beside(r: dict, key: str, bw: float, rate: dict[int, float]) -> tuple[float,
     return sum(b["copy_bandwidth_gbs"]) / 2, {**rate, **{int(m): sum(v) / 2 for m, v in b["gemm_gflops"].items()}}
 
 
+def median_of(runs: list) -> object:
+    """The rounds' values of one field as one: numbers by their median, lists element by element, dicts key by key,
+    anything else (names) as the first round has it."""
+    first = runs[0]
+    if isinstance(first, dict):
+        return {k: median_of([r[k] for r in runs if isinstance(r, dict) and k in r]) for k in first}
+    if isinstance(first, list) and all(isinstance(r, list) and len(r) == len(first) for r in runs):
+        return [median_of(list(v)) for v in zip(*runs, strict=True)]
+    nums = [r for r in runs if isinstance(r, int | float) and not isinstance(r, bool)]
+    return statistics.median(nums) if nums and len(nums) == len(runs) else first
+
+
+def merge_rounds(rs: list[dict]) -> dict:
+    """One server's result over its rounds: every figure the median of the rounds' (the tables print these), and
+    the rounds themselves under "rounds" (the per-round table and its same-round ratios read those)."""
+    if len(rs) == 1:
+        return rs[0]
+    merged = {**median_of(rs), "rounds": rs}
+    del merged["round"]
+    return merged
+
+
+ROUND_METRICS = (  # (label, value of one round's result, higher is better)
+    ("decode tok/s", lambda r: (r.get("single") or {}).get("tokens_per_s_per_user"), True),
+    ("decode tok/s, ours served vs llama.cpp's own eval time", lambda r: (r.get("single") or {}).get(
+        "own_decode_tok_s" if r["name"].startswith("llama") else "tokens_per_s_per_user"), True),
+    ("TTFT ms", lambda r: ((r.get("single") or {}).get("ttft_ms") or {}).get("median"), False),
+)
+
+
+def round_metrics(concurrency: list[int]) -> tuple:
+    return ROUND_METRICS + tuple((f"c={c} tok/s", lambda r, c=c: (r.get(f"c{c}") or {}).get("output_throughput"), True)
+                                 for c in concurrency)
+
+
+def print_rounds(s: dict, args: argparse.Namespace) -> None:
+    """Per metric, every server's figure in each round (servers alternate order round by round), their median, and
+    each firstlight server's advantage over the best peer of the same round (ours / peer's for rates, peer's / ours
+    for TTFT; > 1 is better): the median of those same-round ratios, and their range, is the comparison to quote
+    on a machine whose speed drifts between runs."""
+    multi = [r for r in s["results"] if r.get("rounds")]
+    if not multi:
+        return
+    n = max(len(r["rounds"]) for r in multi)
+    peers = [r for r in s["results"] if not r["name"].startswith("firstlight")]
+    print(f"\nPer round ({n} rounds, server order alternating): value per round | median | vs the best peer of "
+          "each round, median (min-max)")
+    for label, get, higher in round_metrics(args.concurrency):
+        by_round = {r["name"]: {x["round"]: get(x) for x in r.get("rounds", [r])} for r in s["results"]}
+        if not any(v is not None for vals in by_round.values() for v in vals.values()):
+            continue
+        print(f"\n| {label} | " + " | ".join(f"round {i + 1}" for i in range(n)) + " | median | vs best peer |")
+        print("|---|" + "---:|" * (n + 2))
+        for r in s["results"]:
+            vals = by_round[r["name"]]
+            ratios = []
+            for i, v in vals.items():
+                best = [p for p in (by_round[q["name"]].get(i) for q in peers) if p]
+                if v and best and r["name"].startswith("firstlight"):
+                    ratios.append(v / max(best) if higher else min(best) / v)
+            present = [v for v in vals.values() if v is not None]
+            vs = (f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-")
+            print(f"| {r['name']} | " + " | ".join(fmt(vals.get(i)) for i in range(n))
+                  + f" | {fmt(statistics.median(present) if present else None)} | {vs} |")
+
+
 def fmt(x: float | None, nd: int = 1) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
 
@@ -429,7 +544,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--servers", default="firstlight-fp32,firstlight-int8,firstlight-int4,firstlight-w4a8,firstlight-w8a8,"
-                    "firstlight-int4-compiled,hf-serve,llama-cpp")
+                    "firstlight-int4-compiled,hf-serve,llama-cpp,llama-server")
     ap.add_argument("--workloads", default="single,closed,poisson")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--num-requests", type=int, default=32)
@@ -441,6 +556,9 @@ def main() -> None:
     ap.add_argument("--bench-root", default=str(Path(__file__).parents[1]),
                     help="repository root whose `firstlight bench` client runs the workloads")
     ap.add_argument("--out", default="/tmp/firstlight-servers")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every server this many times, in alternating order; tables print medians, and a "
+                         "per-round table the same-round ratios against the best peer")
     ap.add_argument("--tables", type=Path, help="print the tables of a servers.json written earlier, run nothing")
     args = ap.parse_args()
     args.servers = args.servers.split(",")
@@ -464,22 +582,32 @@ def main() -> None:
     rates = kernel_rates(tuple(sorted({1, *(m for c in args.concurrency for m in bound_ms(c))})), shapes)
     port = free_port()
     load0 = os.getloadavg()
-    results, skipped = [], {}
-    for server in servers(args, port):
-        if server.missing:
-            skipped[server.name] = server.missing
-            print(f"skip {server.name}: {server.missing}", flush=True)
-            continue
-        print(f"running {server.name} ...", flush=True)
-        try:
-            r = run_server(server, args, port, out)
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
-            skipped[server.name] = str(e)
-            print(f"  failed: {e}", flush=True)
-            continue
-        r["kernel"], r["weight_bytes"], r["kv_bytes"] = server.kernel, server.weight_bytes, server.kv_bytes
-        results.append(r)
-        (out / "servers.json").write_text(json.dumps({"results": results, "skipped": skipped}, indent=1))
+    runs: dict[str, list[dict]] = {}  # per server, its result in each round
+    skipped: dict[str, str] = {}
+    order = servers(args, port)
+    for rnd in range(args.rounds):
+        for server in order if rnd % 2 == 0 else order[::-1]:  # alternate: drift hits every server alike
+            if server.missing:
+                if rnd == 0:
+                    skipped[server.name] = server.missing
+                    print(f"skip {server.name}: {server.missing}", flush=True)
+                continue
+            print(f"running {server.name}{f' (round {rnd + 1} of {args.rounds})' if args.rounds > 1 else ''} ...",
+                  flush=True)
+            rdir = out / f"round{rnd + 1}" if args.rounds > 1 else out
+            rdir.mkdir(parents=True, exist_ok=True)
+            try:
+                r = run_server(server, args, port, rdir)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                skipped[server.name] = str(e)
+                print(f"  failed: {e}", flush=True)
+                continue
+            r["kernel"], r["weight_bytes"], r["kv_bytes"] = server.kernel, server.weight_bytes, server.kv_bytes
+            r["round"] = rnd
+            runs.setdefault(server.name, []).append(r)
+            results = [merge_rounds(rs) for rs in runs.values()]
+            (out / "servers.json").write_text(json.dumps({"results": results, "skipped": skipped}, indent=1))
+    results = [merge_rounds(rs) for rs in runs.values()]
     load1 = os.getloadavg()
     summary = {"model": args.model, "threads": args.threads, "isas": isas(), "copy_bandwidth_gbs": bw, "gemm_gflops": rates,
                "matmul_params": params, "head_params": head_params, "attention": dataclasses.asdict(attn),
@@ -501,6 +629,8 @@ def print_tables(s: dict, args: argparse.Namespace) -> None:
           + "; ".join(
               f"{k} " + "/".join(f"{v[m]:.0f}" for m in sorted(v)) for k, v in rates.items())
           + f"; load average {la[0][0]:.1f} before, {la[1][0]:.1f} after, on {os.cpu_count()} CPUs"
+          + (f"; every figure the median of {rounds} rounds" if (rounds := max(
+              (len(r.get("rounds", ())) for r in s["results"]), default=0)) > 1 else "")
           + "".join(f"; {k}: {v}" for k, v in s.get("isas", {}).items()))
     print("\n| server | weights MB | decode tok/s (bound) | TTFT ms | " + " | ".join(
         f"c={c} tok/s (bound)" for c in args.concurrency) + " | out tok/req | start s | 1st / 2nd request s |")
@@ -528,6 +658,9 @@ def print_tables(s: dict, args: argparse.Namespace) -> None:
         print(f"| {r['name']} | {wb / 1e6:.0f} | {fmt(dec)} ({dec_bound:.0f}) | {fmt(ttft, 0)} | " + " | ".join(cells)
               + f" | {'/'.join(outs)} | {r['startup_s']:.0f} | {fmt(r.get('first_request_s'), 2)} / "
               f"{fmt(r.get('second_request_s'), 2)} |")
+    for r in s["results"]:
+        if own := (r.get("single") or {}).get("own_decode_tok_s"):
+            print(f"{r['name']}: its own decode rate (llama.cpp's `eval time`: no HTTP, sampling or Python) {own:.1f} tok/s")
     rate_keys = [k for k in (s["results"][0] if s["results"] else {}) if k.startswith("rate")]
     if rate_keys:
         print(f"\nPoisson arrivals, lognormal lengths; goodput (req/s meeting {s['slo']}) / output tok/s / errors")
@@ -539,6 +672,7 @@ def print_tables(s: dict, args: argparse.Namespace) -> None:
                 m = r.get(k, {})
                 cells.append(f"{fmt(m.get('goodput'), 2)} / {fmt(m.get('output_throughput'))} / {m.get('num_errors', '-')}")
             print(f"| {r['name']} | " + " | ".join(cells) + " |")
+    print_rounds(s, args)
     for name, why in s["skipped"].items():
         print(f"skipped {name}: {why}")
 

@@ -193,16 +193,16 @@ def kernel_rates(ms: tuple[int, ...], shapes: list[tuple[int, int, int]],
     secs = {f: {m: 0.0 for m in ms} for f in formats}
     with torch.inference_mode():
         for n, k, copies in shapes:
-            reps = sorted({1, *(rows_rep(m, n, k) for m in ms)})
+            rep_of = {m: rows_rep(m, n, k) for m in ms}
             best = {f: {m: math.inf for m in ms} for f in formats}  # seconds per call of the shape's own N rows
-            for rep in reps:
+            for rep in sorted({1, *rep_of.values()}):
                 lin = torch.nn.Linear(k, n * rep, bias=False).requires_grad_(False)
                 ours = copy.deepcopy(lin)
                 use_f32_kernel(ours)  # what `firstlight serve` runs fp32 linears on (f32_mm, oneDNN above onednn_min_rows())
                 layers = {"fp32": ours, "fp32-blas": lin,
                           **{f: get_format(f).quantize_linear(lin) for f in formats if not f.startswith("fp32")}}
                 for m in ms:
-                    if rep not in (1, rows_rep(m, n, k)):
+                    if rep not in (1, rep_of[m]):
                         continue
                     x = torch.randn(m, k)
                     calls = max(3, int(4e8 // (2 * m * k * n * rep)))  # ~1 ms or more per sample
@@ -504,15 +504,19 @@ def round_metrics(concurrency: list[int]) -> tuple:
                                  for c in concurrency)
 
 
+def rounds_of(s: dict) -> int:
+    """How many rounds the summary's servers ran (1: a summary of one round, or of before --rounds)."""
+    return max((len(r.get("rounds", ())) for r in s["results"]), default=1) or 1
+
+
 def print_rounds(s: dict, args: argparse.Namespace) -> None:
     """Per metric, every server's figure in each round (servers alternate order round by round), their median, and
     each firstlight server's advantage over the best peer of the same round (ours / peer's for rates, peer's / ours
     for TTFT; > 1 is better): the median of those same-round ratios, and their range, is the comparison to quote
     on a machine whose speed drifts between runs."""
-    multi = [r for r in s["results"] if r.get("rounds")]
-    if not multi:
+    n = rounds_of(s)
+    if n < 2:
         return
-    n = max(len(r["rounds"]) for r in multi)
     peers = [r for r in s["results"] if not r["name"].startswith("firstlight")]
     print(f"\nPer round ({n} rounds, server order alternating): value per round | median | vs the best peer of "
           "each round, median (min-max)")
@@ -583,6 +587,7 @@ def main() -> None:
     port = free_port()
     load0 = os.getloadavg()
     runs: dict[str, list[dict]] = {}  # per server, its result in each round
+    results: list[dict] = []
     skipped: dict[str, str] = {}
     order = servers(args, port)
     for rnd in range(args.rounds):
@@ -607,7 +612,6 @@ def main() -> None:
             runs.setdefault(server.name, []).append(r)
             results = [merge_rounds(rs) for rs in runs.values()]
             (out / "servers.json").write_text(json.dumps({"results": results, "skipped": skipped}, indent=1))
-    results = [merge_rounds(rs) for rs in runs.values()]
     load1 = os.getloadavg()
     summary = {"model": args.model, "threads": args.threads, "isas": isas(), "copy_bandwidth_gbs": bw, "gemm_gflops": rates,
                "matmul_params": params, "head_params": head_params, "attention": dataclasses.asdict(attn),
@@ -629,8 +633,7 @@ def print_tables(s: dict, args: argparse.Namespace) -> None:
           + "; ".join(
               f"{k} " + "/".join(f"{v[m]:.0f}" for m in sorted(v)) for k, v in rates.items())
           + f"; load average {la[0][0]:.1f} before, {la[1][0]:.1f} after, on {os.cpu_count()} CPUs"
-          + (f"; every figure the median of {rounds} rounds" if (rounds := max(
-              (len(r.get("rounds", ())) for r in s["results"]), default=0)) > 1 else "")
+          + (f"; every figure the median of {rounds} rounds" if (rounds := rounds_of(s)) > 1 else "")
           + "".join(f"; {k}: {v}" for k, v in s.get("isas", {}).items()))
     print("\n| server | weights MB | decode tok/s (bound) | TTFT ms | " + " | ".join(
         f"c={c} tok/s (bound)" for c in args.concurrency) + " | out tok/req | start s | 1st / 2nd request s |")

@@ -95,6 +95,14 @@ class NativeDecode:
         cfg = model.config
         self.windows = [cfg.sliding_window if t == "sliding_attention" else 0 for t in kv_types]
         weakref.finalize(self, torch.ops.firstlight.dense_decode_free, handle)
+        # cos / sin of positions 0 .. n - 1 per group, [n, Dr] each, grown as positions pass n: a decode step
+        # looks its rows up (two index_selects a group) instead of building them (~8 ops). The model's own
+        # rope_tables computes them, over arange(n) instead of the step's positions: the same elementwise ops.
+        # Dynamic NTK scales by each row's length: never cached.
+        self._cached_rope = all(cfg.rope[t].kind != "dynamic" for t in kv_types)
+        self._rope_len = 0
+        self._cos: list[torch.Tensor] = []
+        self._sin: list[torch.Tensor] = []
 
     @classmethod
     def build(cls, model: nn.Module, k_pools: list[torch.Tensor],
@@ -151,10 +159,24 @@ class NativeDecode:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
         """input_ids, positions [B, 1] (no padding rows) -> the final-normed hidden states [B, 1, E]."""
         x = self.model.embed(input_ids)[:, 0]  # [B, E]
-        rope = self.model.rope_tables(positions, x.dtype)
+        cos, sin = self._rope(positions, x.dtype)
         views = [cache.views[t] for t in self.kv_types]
         hidden = torch.ops.firstlight.dense_decode(
-            self.handle, x, positions[:, 0], [rope[t][0] for t in self.kv_types], [rope[t][1] for t in self.kv_types],
-            [v.write_slots for v in views], [v.gather_slots for v in views], [v.key_positions for v in views],
-            self.windows)
+            self.handle, x, positions[:, 0], cos, sin, [v.write_slots for v in views], [v.gather_slots for v in views],
+            [v.key_positions for v in views], self.windows)
         return hidden[:, None]
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """cos, sin per group for positions [B, 1] (rows of [B, Dr]; dense_decode reshapes either layout)."""
+        if not self._cached_rope or positions.device.type != "cpu" or dtype != torch.float32:
+            rope = self.model.rope_tables(positions, dtype)
+            return [rope[t][0] for t in self.kv_types], [rope[t][1] for t in self.kv_types]
+        pos = positions[:, 0]
+        need = int(pos.max()) + 1
+        if need > self._rope_len:
+            n = max(need, 2 * self._rope_len, 256)
+            rope = self.model.rope_tables(torch.arange(n)[None], torch.float32)  # [1, 1, n, Dr] each
+            self._cos = [rope[t][0][0, 0] for t in self.kv_types]
+            self._sin = [rope[t][1][0, 0] for t in self.kv_types]
+            self._rope_len = n
+        return [c.index_select(0, pos) for c in self._cos], [s.index_select(0, pos) for s in self._sin]

@@ -319,6 +319,17 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     return torch.ops.firstlight.paged_decode_attention(q, k_pool, v_pool, slots, mask, scale)
 
 
+def paged_slots(table: torch.Tensor, context: torch.Tensor, lo: torch.Tensor, positions: torch.Tensor, num_keys: int,
+                block_size: int, pad: int, scratch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One KV cache group's slots for a forward: table [B, blocks] block ids, a row's keys at positions lo[b] ..
+    context[b] - 1, the new tokens at positions [B, S], num_keys keys per row, `pad` padding rows (they write to
+    `scratch` and see no key) -> (write slots [(B + pad) * S], gather slots [B + pad, num_keys] (0 past a row's
+    keys), key positions [B + pad, num_keys] (-1 there)); the slot of position t is table[b, t // bs] * bs + t % bs."""
+    write, gather, keys = torch.ops.firstlight.paged_slots(table, context, lo, positions, num_keys, block_size, pad,
+                                                           scratch)
+    return write, gather, keys
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
               scale: float) -> torch.Tensor:
     """SDPA with GQA for fp32 on CPU: q [B, H, S, D] over k, v [B, Hkv, L, D] (H a multiple of Hkv) -> [B, H, S, D]

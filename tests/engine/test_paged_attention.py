@@ -77,6 +77,36 @@ def test_a_row_that_sees_no_key_gets_zeros(kernel_isa):  # noqa: F811
     assert torch.isfinite(out).all() and out[1].abs().max() == 0 and out[0].abs().max() > 0
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("batch,heads,kv_heads", [(1, 9, 3), (1, 8, 1), (2, 4, 2)])
+def test_keys_split_across_threads(kernel_isa, threads, batch, heads, kv_heads):  # noqa: F811
+    """Fewer (row, KV head) pairs than two per thread: each pair's keys run in chunks on the threads and their
+    partial sums are merged (flash-decoding); the result is SDPA's whatever the split, with a chunk that sees
+    no key (a masked run), a row that sees a few keys only, and a row that sees none."""
+    torch.manual_seed(threads * 10 + heads)
+    keys, nslots, head_dim = 300, 1000, 64
+    k_pool, v_pool = torch.randn(nslots, kv_heads, head_dim), torch.randn(nslots, kv_heads, head_dim)
+    slots = torch.stack([torch.randperm(nslots)[:keys] for _ in range(batch)])
+    q = torch.randn(batch, heads, head_dim) * 3  # peaked softmaxes: the merge's rescaling matters
+    mask = torch.rand(batch, keys) < 0.9
+    mask[0, 40:220] = False  # whole chunks of row 0 see nothing
+    if batch > 1:
+        mask[1] = False
+        mask[1, [5, 290]] = True  # two keys, in the first and last chunks
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernels.paged_decode_attention(q, k_pool, v_pool, slots, mask, head_dim ** -0.5)
+        mask_none = mask.clone()
+        mask_none[0] = False
+        empty = kernels.paged_decode_attention(q, k_pool, v_pool, slots, mask_none, head_dim ** -0.5)
+    finally:
+        torch.set_num_threads(before)
+    ref = _reference(q, k_pool, v_pool, slots, mask, head_dim ** -0.5)
+    assert torch.allclose(got, ref, atol=2e-6, rtol=1e-5), (got - ref).abs().max()
+    assert empty[0].abs().max() == 0 and torch.isfinite(empty).all()
+
+
 def test_rejects_mismatched_shapes(kernel_isa):  # noqa: F811
     pool = torch.randn(10, 3, 16)
     with pytest.raises(RuntimeError, match="does not match pools"):

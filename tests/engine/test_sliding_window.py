@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from firstlight import kernels
 from firstlight.core.batch import ScheduledSeq
 from firstlight.engine.engine import EngineConfig, LLMEngine
 from firstlight.engine.kv_groups import SlidingWindowGroups
@@ -95,6 +96,29 @@ def test_sliding_layers_gather_only_the_window(models):
     assert int(local.gather_slots[0, 0]) == 0 * BLOCK + 2
     assert local.write_slots.tolist() == [2 * BLOCK + 1, 2 * BLOCK + 2, 5 * BLOCK + 0, 5 * BLOCK + 1]
     assert full.write_slots.tolist() == [7 * BLOCK + 1, 7 * BLOCK + 2, 11 * BLOCK + 0, 11 * BLOCK + 1]
+
+
+@pytest.mark.parametrize("num_keys,pad", [(None, 0), (40, 0), (40, 2)])
+def test_slots_kernel_equals_the_tensor_ops(models, num_keys, pad):
+    """firstlight::paged_slots (one call per group and forward) gives the slots the tensor ops give, for full and
+    sliding groups, prefill chunks, a bucketed key length (compiled decode) and padding rows."""
+    if kernels.load_kernel() is None:
+        pytest.skip("firstlight's kernel extension is not in use")
+    model, tok = models["gemma3_text"]
+    runner = LLMEngine(model, tok, EngineConfig(block_size=BLOCK, num_blocks=64, max_num_seqs=4)).runner
+    seqs = [ScheduledSeq("a", 2, 29, 10, tuple(range(8)), sliding_block_ids=(-1,) * 5 + (0, 1, 2)),
+            ScheduledSeq("b", 2, 12, 12, tuple(range(8, 12)), sliding_block_ids=(-1, 3, 4, 5)),
+            ScheduledSeq("c", 2, 0, 5, (20, 21), sliding_block_ids=(6, 7))]
+    positions = torch.tensor([[29, 30], [12, 13], [0, 1]] + [[-1, -1]] * pad)
+    assert runner.slots_kernel
+    views = [runner._make_cache(seqs, positions, num_keys).views]
+    runner.slots_kernel = False
+    views.append(runner._make_cache(seqs, positions, num_keys).views)
+    for t in ("full_attention", "sliding_attention"):
+        got, ref = views[0][t], views[1][t]
+        for name in ("write_slots", "gather_slots", "key_positions"):
+            a, b = getattr(got, name), getattr(ref, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), (t, name, a, b)
 
 
 def test_mistral_only_sliding_layers_frees_blocks_and_matches_generate(models):

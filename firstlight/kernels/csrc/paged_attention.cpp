@@ -7,13 +7,16 @@
 //
 // The engine's gather + SDPA path copies every row's whole context into [B, Hkv, L, D] per layer per
 // step, then SDPA reads it again; here each key and value vector is read once per (row, KV head), by all
-// G query heads of the group. Threads: at::parallel_for over (row, KV head). A row with no visible key
-// (a padding row) gets zeros.
+// G query heads of the group. Threads: at::parallel_for over (row, KV head); with fewer such pairs than two
+// per thread (a single stream: SmolLM2's 3 KV heads on 2 threads ran 2 : 1), over (row, KV head, chunk of its
+// keys), each chunk's unnormalized sums merged after, as flash-decoding does. A row with no visible key (a
+// padding row) gets zeros.
 //
-// Per (row, KV head): the visible keys' row pointers first; then the scores of up to 4 query heads per key
-// (each key vector loaded once for them, the sums of 4 heads reduced together) while the K and V rows 12 keys
-// ahead (24 in 16-bit pools) are prefetched; a softmax per head; then the values, NQ heads x a tile of the head dimension in
-// registers, each value vector loaded once for the NQ heads. 16 lanes where the build has AVX-512, 8 with
+// Per (row, KV head): the visible keys' row pointers first; then the scores of up to 4 query heads for two keys
+// at a time (each key vector loaded once for them, 2 x 4 independent FMA chains, the sums of 4 heads reduced
+// together) while the K and V rows 12 keys ahead (24 in 16-bit pools) are prefetched; exp(score - max) per
+// head; then the values, NQ heads x a tile of the head dimension in registers, each value vector loaded once
+// for the NQ heads, scaled by 1 / the sum at the end. 16 lanes where the build has AVX-512, 8 with
 // AVX2, scalar without. The pools hold fp32, bf16 or fp16 (`kv_cache_dtype`): a key or value vector is widened
 // to fp32 as it is loaded (a shift for bf16, F16C's conversion for fp16), the arithmetic is fp32 either way.
 #include <ATen/ATen.h>
@@ -31,9 +34,9 @@
 namespace {
 
 #ifdef __AVX2__
-// softmax on F's vectors (L >= F::kLanes): the max, the exp and sum, the scaling, each a vector pass
+// p[0..L) = exp(p - max) on F's vectors (L >= F::kLanes), in place; returns the sum, the max in *mx
 template <class F>
-void softmax_vec(float* p, int64_t L) {
+float exp_sum_vec(float* p, int64_t L, float* mx_out) {
   constexpr int64_t W = F::kLanes;
   int64_t l = W;
   typename F::T v = F::load(p);
@@ -52,26 +55,31 @@ void softmax_vec(float* p, int64_t L) {
     p[l] = std::exp(p[l] - mx);
     sum += p[l];
   }
-  const float inv = 1.f / sum;
-  v = F::set1(inv);
-  for (l = 0; l + W <= L; l += W) F::store(p + l, F::mul(v, F::load(p + l)));
-  for (; l < L; ++l) p[l] *= inv;
+  *mx_out = mx;
+  return sum;
 }
+
 #endif
 
-// p[0..L) = softmax(p), in place (L >= 1: the scores of the visible keys); the widest vectors L fills
-inline void softmax(float* p, int64_t L) {
+// p[0..L) = exp(p - max), in place (L >= 1); returns the sum, the max in *mx (softmax = p / the sum)
+inline float exp_sum(float* p, int64_t L, float* mx) {
 #ifdef __AVX2__
-  if (L >= firstlight::F32xWide::kLanes) return softmax_vec<firstlight::F32xWide>(p, L);
-  if (L >= firstlight::F32x8::kLanes) return softmax_vec<firstlight::F32x8>(p, L);
+  if (L >= firstlight::F32xWide::kLanes) return exp_sum_vec<firstlight::F32xWide>(p, L, mx);
+  if (L >= firstlight::F32x8::kLanes) return exp_sum_vec<firstlight::F32x8>(p, L, mx);
 #endif
-  const float mx = *std::max_element(p, p + L);
+  *mx = *std::max_element(p, p + L);
   float sum = 0.f;
   for (int64_t l = 0; l < L; ++l) {
-    p[l] = std::exp(p[l] - mx);
+    p[l] = std::exp(p[l] - *mx);
     sum += p[l];
   }
-  const float inv = 1.f / sum;
+  return sum;
+}
+
+// p[0..L) = softmax(p), in place (L >= 1: the scores of the visible keys)
+inline void softmax(float* p, int64_t L) {
+  float mx;
+  const float inv = 1.f / exp_sum(p, L, &mx);
   for (int64_t l = 0; l < L; ++l) p[l] *= inv;
 }
 
@@ -106,6 +114,8 @@ inline typename F::T load_kv(const c10::Half* p) {
 }
 
 // p[j * n + i] = scale * q_j . k_i for NQ query heads (rows of q, stride D) and the n keys kr[i]; D % lanes == 0.
+// Two keys at a time: 2 x NQ independent accumulators (one key's NQ chains of D / lanes dependent FMAs left the
+// FMA units idle: the latency, not the throughput, set the pace).
 template <class F, int NQ, class E>
 void scores(const float* q, int64_t D, const E* const* kr, const E* const* vr, int64_t n, float scale, float* p) {
   const __m128 vs = _mm_set1_ps(scale);
@@ -115,19 +125,36 @@ void scores(const float* q, int64_t D, const E* const* kr, const E* const* vr, i
     prefetch_row(kr[i], D);
     prefetch_row(vr[i], D);
   }
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + kAh < n) {
-      prefetch_row(kr[i + kAh], D);
-      prefetch_row(vr[i + kAh], D);
+  auto store = [&](__m128 sums, int64_t i) {
+    _mm_store_ps(r, _mm_mul_ps(vs, sums));
+    for (int j = 0; j < NQ; ++j) p[j * n + i] = r[j];
+  };
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2) {
+    for (int64_t ahead = i + kAh; ahead < std::min(n, i + kAh + 2); ++ahead) {
+      prefetch_row(kr[ahead], D);
+      prefetch_row(vr[ahead], D);
     }
-    typename F::T a[4] = {F::zero(), F::zero(), F::zero(), F::zero()};
-    const E* k = kr[i];
+    typename F::T a[4] = {F::zero(), F::zero(), F::zero(), F::zero()}, b[4] = {a[0], a[0], a[0], a[0]};
+    const E *k0 = kr[i], *k1 = kr[i + 1];
     for (int64_t d = 0; d < D; d += F::kLanes) {
-      const typename F::T kv = load_kv<F>(k + d);
+      const typename F::T kv0 = load_kv<F>(k0 + d), kv1 = load_kv<F>(k1 + d);
+      for (int j = 0; j < NQ; ++j) {
+        const typename F::T qv = F::load(q + j * D + d);
+        a[j] = F::fma(qv, kv0, a[j]);
+        b[j] = F::fma(qv, kv1, b[j]);
+      }
+    }
+    store(hsum4(F::half(a[0]), F::half(a[1]), F::half(a[2]), F::half(a[3])), i);
+    store(hsum4(F::half(b[0]), F::half(b[1]), F::half(b[2]), F::half(b[3])), i + 1);
+  }
+  if (i < n) {
+    typename F::T a[4] = {F::zero(), F::zero(), F::zero(), F::zero()};
+    for (int64_t d = 0; d < D; d += F::kLanes) {
+      const typename F::T kv = load_kv<F>(kr[i] + d);
       for (int j = 0; j < NQ; ++j) a[j] = F::fma(F::load(q + j * D + d), kv, a[j]);
     }
-    _mm_store_ps(r, _mm_mul_ps(vs, hsum4(F::half(a[0]), F::half(a[1]), F::half(a[2]), F::half(a[3]))));
-    for (int j = 0; j < NQ; ++j) p[j * n + i] = r[j];
+    store(hsum4(F::half(a[0]), F::half(a[1]), F::half(a[2]), F::half(a[3])), i);
   }
 }
 
@@ -160,16 +187,18 @@ void values(const float* p, int64_t n, const E* const* vr, float* o, int64_t D) 
   for (; c0 < D; c0 += F::kLanes) values_tile<F, NQ, 1, E>(p, n, vr, c0, o, D);
 }
 
+// o_j = sum_i exp(s_ji - mx_j) v_i (not normalized) for nq <= 4 heads; mx[j], sum[j]: the max and the sum of
+// those weights (softmax = the weights / sum)
 template <class F, class E>
 void attend_group(const float* q, int64_t nq, int64_t D, const E* const* kr, const E* const* vr, int64_t n,
-                  float scale, float* p, float* o) {
+                  float scale, float* p, float* o, float* mx, float* sum) {
   switch (nq) {
     case 1: scores<F, 1, E>(q, D, kr, vr, n, scale, p); break;
     case 2: scores<F, 2, E>(q, D, kr, vr, n, scale, p); break;
     case 3: scores<F, 3, E>(q, D, kr, vr, n, scale, p); break;
     default: scores<F, 4, E>(q, D, kr, vr, n, scale, p); break;
   }
-  for (int64_t j = 0; j < nq; ++j) softmax(p + j * n, n);
+  for (int64_t j = 0; j < nq; ++j) sum[j] = exp_sum(p + j * n, n, mx + j);
   switch (nq) {
     case 1: values<F, 1, E>(p, n, vr, o, D); break;
     case 2: values<F, 2, E>(p, n, vr, o, D); break;
@@ -183,16 +212,67 @@ void attend_group(const float* q, int64_t nq, int64_t D, const E* const* kr, con
 
 namespace {
 
+// The G heads of one (row, KV head) over its n visible keys kr / vr: o [G, D] = sum_i exp(s_i - mx) v_i per head,
+// not normalized; mx, sum [G] (sum 0 and o 0 where n is 0)
+template <class E>
+void attend_keys(const float* q, int64_t G, int64_t D, const E* const* kr, const E* const* vr, int64_t n, float scale,
+                 float* p, float* o, float* mx, float* sum) {
+  if (n == 0) {
+    std::fill(o, o + G * D, 0.f);
+    std::fill(mx, mx + G, -INFINITY);
+    std::fill(sum, sum + G, 0.f);
+    return;
+  }
+#ifdef __AVX2__
+  if (D % F32x8::kLanes == 0) {
+    for (int64_t j0 = 0; j0 < G; j0 += 4) {
+      const int64_t nq = std::min<int64_t>(4, G - j0);
+      if (D % F32xWide::kLanes == 0)
+        attend_group<F32xWide, E>(q + j0 * D, nq, D, kr, vr, n, scale, p, o + j0 * D, mx + j0, sum + j0);
+      else
+        attend_group<F32x8, E>(q + j0 * D, nq, D, kr, vr, n, scale, p, o + j0 * D, mx + j0, sum + j0);
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < G; ++j) {
+    for (int64_t l = 0; l < n; ++l) {
+      float acc = 0.f;
+      for (int64_t d = 0; d < D; ++d) acc += q[j * D + d] * static_cast<float>(kr[l][d]);
+      p[l] = scale * acc;
+    }
+    sum[j] = exp_sum(p, n, mx + j);
+    for (int64_t d = 0; d < D; ++d) {
+      float acc = 0.f;
+      for (int64_t l = 0; l < n; ++l) acc += p[l] * static_cast<float>(vr[l][d]);
+      o[j * D + d] = acc;
+    }
+  }
+}
+
+constexpr int64_t kMinChunkKeys = 32;
+
 template <class E>
 void attention_rows(const float* qp, int64_t ldq, int64_t B, int64_t H, int64_t D, const E* kp, const E* vp,
                     int64_t nslots, int64_t Hkv, const int64_t* sp, int64_t L, const bool* mp, float scale, float* op,
                     int64_t ldo) {
-  const int64_t G = H / Hkv;
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> p(static_cast<size_t>(std::max<int64_t>(G, 4) * L));
+  const int64_t G = H / Hkv, pairs = B * Hkv;
+  // Fewer (row, KV head) pairs than two per thread (a single stream: 3 pairs on 2 threads ran 2 : 1): each
+  // pair's visible keys split into C chunks, each chunk's unnormalized sums merged after (as flash-decoding).
+  const int64_t T = at::get_num_threads();
+  const int64_t C =
+      pairs >= 2 * T ? 1 : std::max<int64_t>(1, std::min((2 * T + pairs - 1) / pairs, L / kMinChunkKeys));
+  std::vector<float> part_o, part_m, part_s;  // [pairs * C, G, D], [pairs * C, G] x 2
+  if (C > 1) {
+    part_o.resize(static_cast<size_t>(pairs * C * G * D));
+    part_m.resize(static_cast<size_t>(pairs * C * G));
+    part_s.resize(static_cast<size_t>(pairs * C * G));
+  }
+  at::parallel_for(0, pairs * C, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p(static_cast<size_t>(std::max<int64_t>(G, 4) * L)), m(G), s(G);
     std::vector<const E*> kr(static_cast<size_t>(L)), vr(static_cast<size_t>(L));
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / Hkv, g = i % Hkv;
+      const int64_t pair = i / C, c = i % C, b = pair / Hkv, g = pair % Hkv;
       const int64_t* rs = sp + b * L;
       int64_t n = 0;  // the visible keys
       for (int64_t l = 0; l < L; ++l)
@@ -200,40 +280,41 @@ void attention_rows(const float* qp, int64_t ldq, int64_t B, int64_t H, int64_t 
           kr[n] = kp + (rs[l] * Hkv + g) * D;
           vr[n++] = vp + (rs[l] * Hkv + g) * D;
         }
+      const int64_t lo = n * c / C, hi = n * (c + 1) / C;  // this chunk's share of them
       const float* q = qp + b * ldq + g * G * D;
+      if (C > 1) {
+        attend_keys(q, G, D, kr.data() + lo, vr.data() + lo, hi - lo, scale, p.data(), &part_o[i * G * D],
+                    &part_m[i * G], &part_s[i * G]);
+        continue;
+      }
       float* o = op + b * ldo + g * G * D;
-      if (n == 0) {
-        std::fill(o, o + G * D, 0.f);
-        continue;
-      }
-#ifdef __AVX2__
-      if (D % F32x8::kLanes == 0) {
-        for (int64_t j0 = 0; j0 < G; j0 += 4) {
-          const int64_t nq = std::min<int64_t>(4, G - j0);
-          if (D % F32xWide::kLanes == 0)
-            attend_group<F32xWide, E>(q + j0 * D, nq, D, kr.data(), vr.data(), n, scale, p.data(), o + j0 * D);
-          else
-            attend_group<F32x8, E>(q + j0 * D, nq, D, kr.data(), vr.data(), n, scale, p.data(), o + j0 * D);
-        }
-        continue;
-      }
-#endif
+      attend_keys(q, G, D, kr.data(), vr.data(), n, scale, p.data(), o, m.data(), s.data());
       for (int64_t j = 0; j < G; ++j) {
-        float* pj = p.data() + j * n;
-        for (int64_t l = 0; l < n; ++l) {
-          float acc = 0.f;
-          for (int64_t d = 0; d < D; ++d) acc += q[j * D + d] * static_cast<float>(kr[l][d]);
-          pj[l] = scale * acc;
-        }
-        softmax(pj, n);
-        for (int64_t d = 0; d < D; ++d) {
-          float acc = 0.f;
-          for (int64_t l = 0; l < n; ++l) acc += pj[l] * static_cast<float>(vr[l][d]);
-          o[j * D + d] = acc;
-        }
+        const float inv = s[j] > 0.f ? 1.f / s[j] : 0.f;
+        for (int64_t d = 0; d < D; ++d) o[j * D + d] *= inv;
       }
     }
   });
+  if (C == 1) return;
+  for (int64_t pair = 0; pair < pairs; ++pair) {  // o = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) s_c
+    const int64_t b = pair / Hkv, g = pair % Hkv;
+    for (int64_t j = 0; j < G; ++j) {
+      float M = -INFINITY, S = 0.f;
+      for (int64_t c = 0; c < C; ++c) M = std::max(M, part_m[(pair * C + c) * G + j]);
+      float* o = op + b * ldo + (g * G + j) * D;
+      std::fill(o, o + D, 0.f);
+      for (int64_t c = 0; c < C; ++c) {
+        const int64_t at = (pair * C + c) * G + j;
+        if (part_s[at] == 0.f) continue;  // a chunk with no visible key
+        const float w = std::exp(part_m[at] - M);
+        S += w * part_s[at];
+        const float* oc = &part_o[at * D];
+        for (int64_t d = 0; d < D; ++d) o[d] += w * oc[d];
+      }
+      const float inv = S > 0.f ? 1.f / S : 0.f;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+  }
 }
 
 }  // namespace
@@ -557,12 +638,53 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return out.permute({0, 2, 1, 3});  // [B, H, S, D], laid out [B, S, H, D]
 }
 
+// The slots of one forward's KV cache group (engine/runner.py ModelRunner._group_view, the same arithmetic in
+// one pass instead of ~20 small tensor ops): table [B, nb] block ids, context / lo [B] (a row's keys are its
+// positions lo .. context - 1), pos [B, S] the new tokens' positions, L keys per row, `pad` rows more. Slot of
+// position t: table[b, t / bs] * bs + t % bs. -> write [(B + pad) * S] (padding rows: `scratch`), gather [B + pad, L]
+// (0 past a row's keys), key positions [B + pad, L] (-1 there).
+std::vector<at::Tensor> paged_slots(const at::Tensor& table_in, const at::Tensor& context_in, const at::Tensor& lo_in,
+                                    const at::Tensor& pos_in, int64_t L, int64_t bs, int64_t pad, int64_t scratch) {
+  TORCH_CHECK(table_in.dim() == 2 && table_in.scalar_type() == at::kLong && context_in.scalar_type() == at::kLong &&
+                  lo_in.scalar_type() == at::kLong && pos_in.scalar_type() == at::kLong && pos_in.dim() == 2 &&
+                  context_in.numel() == table_in.size(0) && lo_in.numel() == table_in.size(0) &&
+                  pos_in.size(0) == table_in.size(0) && L >= 0 && bs > 0 && pad >= 0,
+              "firstlight::paged_slots: int64 table [B, blocks], context and lo [B], positions [B, S]; got ",
+              table_in.sizes(), ", ", context_in.sizes(), ", ", lo_in.sizes(), ", ", pos_in.sizes());
+  const at::Tensor table = table_in.contiguous(), context = context_in.contiguous(), lo = lo_in.contiguous(),
+                   pos = pos_in.contiguous();
+  const int64_t B = table.size(0), nb = table.size(1), S = pos.size(1), R = B + pad;
+  const int64_t *tp = table.data_ptr<int64_t>(), *cp = context.data_ptr<int64_t>(), *lp = lo.data_ptr<int64_t>(),
+                *pp = pos.data_ptr<int64_t>();
+  at::Tensor write = at::empty({R * S}, table.options()), gather = at::zeros({R, L}, table.options()),
+             keys = at::full({R, L}, -1, table.options());
+  int64_t *wp = write.data_ptr<int64_t>(), *gp = gather.data_ptr<int64_t>(), *kp = keys.data_ptr<int64_t>();
+  auto slot = [&](int64_t b, int64_t t) {
+    TORCH_CHECK(t >= 0 && t / bs < nb, "firstlight::paged_slots: position ", t, " of row ", b, " is past its ", nb,
+                " blocks");
+    return tp[b * nb + t / bs] * bs + t % bs;
+  };
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t s = 0; s < S; ++s) wp[b * S + s] = slot(b, pp[b * S + s]);
+    const int64_t n = std::min(L, cp[b] - lp[b]);  // this row's keys
+    for (int64_t l = 0; l < n; ++l) {
+      gp[b * L + l] = slot(b, lp[b] + l);
+      kp[b * L + l] = lp[b] + l;
+    }
+  }
+  std::fill(wp + B * S, wp + R * S, scratch);
+  return {write, gather, keys};
+}
+
 TORCH_LIBRARY_FRAGMENT(firstlight, lib) {
   lib.def("paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, Tensor? mask, float scale) -> Tensor");
+  lib.def("paged_slots(Tensor table, Tensor context, Tensor lo, Tensor positions, int num_keys, int block_size, "
+          "int pad, int scratch) -> Tensor[]");
   lib.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(firstlight, CPU, lib) {
   lib.impl("paged_decode_attention", &paged_decode_attention);
+  lib.impl("paged_slots", &paged_slots);
   lib.impl("attention", &attention);
 }

@@ -7,7 +7,7 @@ swamp the ~1 ms of Python being measured), summed over steady decode steps and d
 One engine with the native decode step (EngineConfig(native_decode=True)), --requests requests one after
 another, each a prompt of --prompt-len random ids and --max-tokens greedy tokens (EOS ignored); the prefill
 steps are left out. Nested rows include their children (NativeDecode.__call__ includes dense_decode, embed and
-rope); "kernels" = dense_decode + the head's matmul + argmax, "overhead" = step wall - kernels. Rounds repeat
+rope); "kernels" = firstlight's ops (dense_decode, the head's matmul, argmax), "overhead" = step wall - kernels. Rounds repeat
 the whole measurement (this machine's speed drifts minute to minute: compare rows within a round).
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-KERNELS = ("op dense_decode", "op int8_mm", "op int4_mm", "op argmax_rows")
+OPS = ("dense_decode", "int8_mm", "int4_mm", "int4_mm_a8", "f32_mm", "f32_mm_packed", "argmax_rows")  # firstlight::
 
 
 def wrap(owner: object, name: str, key: str, acc: dict[str, float]) -> None:
@@ -68,9 +68,9 @@ def main() -> None:
     if engine.runner.native_decode is None:
         raise SystemExit(f"the engine declined the native step: {engine.runner.native_decode_declined}")
     acc: dict[str, float] = defaultdict(float)
-    for op in ("dense_decode", "int8_mm", "int4_mm", "argmax_rows"):
-        getattr(torch.ops.firstlight, op)  # resolve it, so that the namespace holds the attribute to wrap
-        wrap(torch.ops.firstlight, op, f"op {op}", acc)
+    for op in OPS:  # resolved first, so that the namespace holds the attribute to wrap
+        if hasattr(torch.ops.firstlight, op):
+            wrap(torch.ops.firstlight, op, f"op {op}", acc)
     for owner, names in ((engine_mod.LLMEngine, ("step",)), (scheduler.Scheduler, ("schedule", "update")),
                          (runner.ModelRunner, ("execute", "_make_cache", "_group_view")),
                          (native_decode.NativeDecode, ("__call__",)),
@@ -96,7 +96,7 @@ def main() -> None:
             for k, v in acc.items():
                 total[k] += v
         wall = total["LLMEngine.step"]
-        kernels = sum(total[k] for k in KERNELS)
+        kernels = sum(total[f"op {op}"] for op in OPS)
         print(f"round {rnd + 1}: {steps} decode steps, {1e3 * wall / steps:.3f} ms a step ({steps / wall:.1f} tok/s); "
               f"kernels {1e3 * kernels / steps:.3f} ms, overhead {1e3 * (wall - kernels) / steps:.3f} ms "
               f"({(wall - kernels) / wall:.1%})")

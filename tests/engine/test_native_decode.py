@@ -126,3 +126,29 @@ def test_a_freed_plan_is_a_clear_error(kernel_isa, tmp_path):  # noqa: F811
     with pytest.raises(RuntimeError, match="no plan"):
         torch.ops.firstlight.dense_decode(handle, torch.zeros(1, cfg.hidden_size), torch.zeros(1, dtype=torch.long),
                                           [], [], [], [], [], [])
+
+
+@pytest.mark.parametrize("family,rope,kinds", [
+    ("gemma3_text", None, {"default", "linear"}),  # local and global layers, each with its own table
+    ("llama", {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64}, {"yarn"}),
+    ("llama", {"rope_type": "dynamic", "factor": 2.0}, {"dynamic"})])
+def test_rope_rows_looked_up_as_the_model_builds_them(kernel_isa, family, rope, kinds, tmp_path):  # noqa: F811
+    """The native step looks each row's cos / sin up in tables it keeps per KV group (grown as positions pass
+    their length); they are the model's own rope_tables at those positions, for both of Gemma 3's groups and
+    YaRN's scaled tables; dynamic NTK (scaled by each row's length) is never cached."""
+    overrides = {"rope_scaling": rope} if rope else {}
+    model, _ = load_model(write_tiny_checkpoint(tmp_path / family, family=family, seed=1, **overrides))
+    cfg = model.config
+    assert {r.kind for r in cfg.rope.values()} == kinds
+    pools = [torch.zeros(8, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+    plan, why = NativeDecode.build(model, pools, pools)
+    assert plan is not None, why
+    assert plan._cached_rope is ("dynamic" not in kinds)
+    for positions in ([[3], [0], [255]], [[256], [7]], [[1000], [2], [600]]):  # the last two grow the tables
+        pos = torch.tensor(positions)
+        cos, sin = plan._rope(pos, torch.float32)
+        ref = model.rope_tables(pos, torch.float32)
+        for t, c, s in zip(plan.kv_types, cos, sin, strict=True):
+            assert torch.allclose(c.reshape(len(pos), -1), ref[t][0].reshape(len(pos), -1), atol=1e-6, rtol=0)
+            assert torch.allclose(s.reshape(len(pos), -1), ref[t][1].reshape(len(pos), -1), atol=1e-6, rtol=0)
+    assert plan._rope_len >= 1001 or not plan._cached_rope

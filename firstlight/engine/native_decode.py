@@ -100,7 +100,6 @@ class NativeDecode:
         # rope_tables computes them, over arange(n) instead of the step's positions: the same elementwise ops.
         # Dynamic NTK scales by each row's length: never cached.
         self._cached_rope = all(cfg.rope[t].kind != "dynamic" for t in kv_types)
-        self._rope_len = 0
         self._cos: list[torch.Tensor] = []
         self._sin: list[torch.Tensor] = []
 
@@ -166,6 +165,11 @@ class NativeDecode:
             [v.key_positions for v in views], self.windows)
         return hidden[:, None]
 
+    @property
+    def _rope_len(self) -> int:
+        """The positions the cached tables cover (0 before the first step)."""
+        return self._cos[0].shape[0] if self._cos else 0
+
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """cos, sin per group for positions [B, 1] (rows of [B, Dr]; dense_decode reshapes either layout)."""
         if not self._cached_rope or positions.device.type != "cpu" or dtype != torch.float32:
@@ -178,5 +182,4 @@ class NativeDecode:
             rope = self.model.rope_tables(torch.arange(n)[None], torch.float32)  # [1, 1, n, Dr] each
             self._cos = [rope[t][0][0, 0] for t in self.kv_types]
             self._sin = [rope[t][1][0, 0] for t in self.kv_types]
-            self._rope_len = n
         return [c.index_select(0, pos) for c in self._cos], [s.index_select(0, pos) for s in self._sin]

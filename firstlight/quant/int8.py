@@ -91,8 +91,7 @@ class Int8WeightOnlyLinear(QuantizedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ours:
-            x2 = x if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() else flatten_tokens(x, torch.float32)
-            y = kernels.int8_mm(x2, self.qweight, self.scales, self.activations == "int8")
+            y = kernels.int8_mm(flatten_tokens(x, torch.float32), self.qweight, self.scales, self.activations == "int8")
         else:
             x2 = flatten_tokens(x, self.compute_dtype)  # [M, K]
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)  # [M, N]

@@ -201,7 +201,7 @@ void avx2_tile(const int8_t* qx, int64_t ldq, const float* sc, int64_t lds, int6
 // unpacked weight registers, the 2 activation broadcasts, one product and the nibble mask take the 16 registers
 // and nothing spills, and each broadcast feeds 2 maddubs (both halves of the tile); the fp32 sums live in y,
 // updated once per block (d * dx_b, and the group's zero term with its last block). At SmolLM2's shapes, 2
-// threads, M = 128-512: 1.35x avx2_tile<4> (benchmarks/int4_kernel.py).
+// threads, M = 8-2,048: 1.22-1.73x avx2_tile<4> on a Zen 3 (docs/PERFORMANCE.md, "w4a8's AVX2 tile without spills").
 void avx2_tile4(const int8_t* qx, int64_t ldq, const float* sc, int64_t lds, int64_t K, int64_t G,
                 const uint8_t* wv, const float* dv, const float* mv, float* y, int64_t ldy, int64_t c) {
   const int64_t ngroups = K / G, bpg = G / kBlock, nblocks = K / kBlock, octets = K / 8;

@@ -201,7 +201,7 @@ void avx2_tile(const int8_t* qx, int64_t ldq, const float* sc, int64_t lds, int6
 // unpacked weight registers, the 2 activation broadcasts, one product and the nibble mask take the 16 registers
 // and nothing spills, and each broadcast feeds 2 maddubs (both halves of the tile); the fp32 sums live in y,
 // updated once per block (d * dx_b, and the group's zero term with its last block). At SmolLM2's shapes, 2
-// threads, M = 8-2,048: 1.22-1.73x avx2_tile<4> on a Zen 3 (docs/PERFORMANCE.md, "w4a8's AVX2 tile without spills").
+// threads, M = 32-2,048: ~1.4-1.5x avx2_tile<4> on a Zen 3 (docs/PERFORMANCE.md, "w4a8's AVX2 tile without spills").
 void avx2_tile4(const int8_t* qx, int64_t ldq, const float* sc, int64_t lds, int64_t K, int64_t G,
                 const uint8_t* wv, const float* dv, const float* mv, float* y, int64_t ldy, int64_t c) {
   const int64_t ngroups = K / G, bpg = G / kBlock, nblocks = K / kBlock, octets = K / 8;
@@ -211,61 +211,71 @@ void avx2_tile4(const int8_t* qx, int64_t ldq, const float* sc, int64_t lds, int
     _mm256_storeu_ps(yc + t * ldy, _mm256_setzero_ps());
     _mm256_storeu_ps(yc + t * ldy + 8, _mm256_setzero_ps());
   }
+  int shift = 0;  // block -> group: b >> shift (G / 32 is a power of two)
+  while ((kBlock << shift) < G) ++shift;
   for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t g = b >> shift;
     // s[t][h]: row t's int16 sums for rows 8h..8h+7 of the tile
     __m256i s00 = _mm256_setzero_si256(), s01 = s00, s10 = s00, s11 = s00, s20 = s00, s21 = s00, s30 = s00, s31 = s00;
     const uint8_t* p = wv + (c * octets + b * 4) * 64;
     const int8_t* x = qx + b * kBlock;
     const int8_t* x3 = x + 3 * ldq;
-#pragma GCC unroll 1
-    for (int o = 0; o < 4; ++o, p += 64, x += 8, x3 += 8) {
-      __m256i lo0, hi0, lo1, hi1, xl, xh, prod;
-      // AT&T order: vpmaddubsw xl, lo0, prod is prod = maddubs(lo0 unsigned, xl signed)
-#define FIRSTLIGHT_ROW(XL, XH, S0, S1)                                                     \
-  "vpbroadcastd " XL ", %[xl]\n\t"                                                         \
-  "vpbroadcastd " XH ", %[xh]\n\t"                                                         \
-  "vpmaddubsw %[xl], %[lo0], %[prod]\n\t"                                                  \
-  "vpaddw %[prod], %[" S0 "], %[" S0 "]\n\t"                                               \
-  "vpmaddubsw %[xh], %[hi0], %[prod]\n\t"                                                  \
-  "vpaddw %[prod], %[" S0 "], %[" S0 "]\n\t"                                               \
-  "vpmaddubsw %[xl], %[lo1], %[prod]\n\t"                                                  \
-  "vpaddw %[prod], %[" S1 "], %[" S1 "]\n\t"                                               \
-  "vpmaddubsw %[xh], %[hi1], %[prod]\n\t"                                                  \
-  "vpaddw %[prod], %[" S1 "], %[" S1 "]\n\t"
-      __asm__(
-          "vpand (%[p]), %[low], %[lo0]\n\t"
-          "vmovdqu (%[p]), %[hi0]\n\t"
-          "vpsrlw $4, %[hi0], %[hi0]\n\t"
-          "vpand %[hi0], %[low], %[hi0]\n\t"
-          "vpand 32(%[p]), %[low], %[lo1]\n\t"
-          "vmovdqu 32(%[p]), %[hi1]\n\t"
-          "vpsrlw $4, %[hi1], %[hi1]\n\t"
-          "vpand %[hi1], %[low], %[hi1]\n\t"
-          FIRSTLIGHT_ROW("(%[x])", "4(%[x])", "s00", "s01")
-          FIRSTLIGHT_ROW("(%[x],%[ldq])", "4(%[x],%[ldq])", "s10", "s11")
-          FIRSTLIGHT_ROW("(%[x],%[ldq],2)", "4(%[x],%[ldq],2)", "s20", "s21")
-          FIRSTLIGHT_ROW("(%[x3])", "4(%[x3])", "s30", "s31")
-          : [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11), [s20] "+x"(s20), [s21] "+x"(s21),
-            [s30] "+x"(s30), [s31] "+x"(s31), [lo0] "=&x"(lo0), [hi0] "=&x"(hi0), [lo1] "=&x"(lo1), [hi1] "=&x"(hi1),
-            [xl] "=&x"(xl), [xh] "=&x"(xh), [prod] "=&x"(prod)
-          : [p] "r"(p), [x] "r"(x), [x3] "r"(x3), [ldq] "r"(ldq), [low] "x"(low));  // reads qx and wv only
+    __m256i lo0, hi0, lo1, hi1, xl, xh, prod;
+    // One asm block for the block's 4 octets (addresses by displacement): with an asm block per octet GCC
+    // moved the 8 sums between registers and reloaded the mask every octet (+9 instructions on ~58), and
+    // with the blocks in a loop over groups and one over a group's blocks it lost the same again: 1.08x each.
+    // AT&T order: vpmaddubsw xl, lo0, prod is prod = maddubs(lo0 unsigned, xl signed).
+#define FIRSTLIGHT_ROW(XL, XH, S0, S1)                 \
+"vpbroadcastd " XL ", %[xl]\n\t"                     \
+"vpbroadcastd " XH ", %[xh]\n\t"                     \
+"vpmaddubsw %[xl], %[lo0], %[prod]\n\t"              \
+"vpaddw %[prod], %[" S0 "], %[" S0 "]\n\t"           \
+"vpmaddubsw %[xh], %[hi0], %[prod]\n\t"              \
+"vpaddw %[prod], %[" S0 "], %[" S0 "]\n\t"           \
+"vpmaddubsw %[xl], %[lo1], %[prod]\n\t"              \
+"vpaddw %[prod], %[" S1 "], %[" S1 "]\n\t"           \
+"vpmaddubsw %[xh], %[hi1], %[prod]\n\t"              \
+"vpaddw %[prod], %[" S1 "], %[" S1 "]\n\t"
+// octet o: weights at 64 o (W) and 64 o + 32 from p, activations at 8 o (XL) and 8 o + 4 (XH) of each row
+#define FIRSTLIGHT_OCTET(W, XL, XH)                                                                       \
+"vpand " W "(%[p]), %[low], %[lo0]\n\t"                                                               \
+"vmovdqu " W "(%[p]), %[hi0]\n\t"                                                                     \
+"vpsrlw $4, %[hi0], %[hi0]\n\t"                                                                       \
+"vpand 32+" W "(%[p]), %[low], %[lo1]\n\t"                                                            \
+"vmovdqu 32+" W "(%[p]), %[hi1]\n\t"                                                                  \
+"vpsrlw $4, %[hi1], %[hi1]\n\t"                                                                       \
+"vpand %[hi0], %[low], %[hi0]\n\t"                                                                    \
+"vpand %[hi1], %[low], %[hi1]\n\t"                                                                    \
+FIRSTLIGHT_ROW(XL "(%[x])", XH "(%[x])", "s00", "s01")                                                 \
+FIRSTLIGHT_ROW(XL "(%[x],%[ldq])", XH "(%[x],%[ldq])", "s10", "s11")                                   \
+FIRSTLIGHT_ROW(XL "(%[x],%[ldq],2)", XH "(%[x],%[ldq],2)", "s20", "s21")                               \
+FIRSTLIGHT_ROW(XL "(%[x3])", XH "(%[x3])", "s30", "s31")
+    __asm__(FIRSTLIGHT_OCTET("0", "0", "4") FIRSTLIGHT_OCTET("64", "8", "12")
+            FIRSTLIGHT_OCTET("128", "16", "20") FIRSTLIGHT_OCTET("192", "24", "28")
+            : [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11), [s20] "+x"(s20),
+              [s21] "+x"(s21), [s30] "+x"(s30), [s31] "+x"(s31), [lo0] "=&x"(lo0), [hi0] "=&x"(hi0),
+              [lo1] "=&x"(lo1), [hi1] "=&x"(hi1), [xl] "=&x"(xl), [xh] "=&x"(xh), [prod] "=&x"(prod)
+            : [p] "r"(p), [x] "r"(x), [x3] "r"(x3), [ldq] "r"(ldq), [low] "x"(low));  // reads qx and wv only
+#undef FIRSTLIGHT_OCTET
 #undef FIRSTLIGHT_ROW
-    }
-    const int64_t g = b / bpg, i = (c * ngroups + g) * kTile;
+    const int64_t i = (c * ngroups + g) * kTile;
     const __m256 d0 = _mm256_loadu_ps(dv + i), d1 = _mm256_loadu_ps(dv + i + 8);
-    const bool last = (b + 1) % bpg == 0;  // the group's zero term m * xs_g once, with its last block
+    const bool last = ((b + 1) & (bpg - 1)) == 0;  // the group's zero term m * xs_g once, with its last block
     const __m256 m0 = last ? _mm256_loadu_ps(mv + i) : _mm256_setzero_ps();
     const __m256 m1 = last ? _mm256_loadu_ps(mv + i + 8) : _mm256_setzero_ps();
-    const __m256i sums[4][2] = {{s00, s01}, {s10, s11}, {s20, s21}, {s30, s31}};
-#pragma GCC unroll 4
-    for (int t = 0; t < 4; ++t) {
+    // y[t] += cvt(madd(s, 1)) * d * dx_t (+ m * xs_t), both halves of row t
+    const auto update = [&](int t, __m256i s0, __m256i s1) {
       const __m256 dx = _mm256_broadcast_ss(sc + t * lds + b), xs = _mm256_broadcast_ss(sc + t * lds + nblocks + g);
       float* yt = yc + t * ldy;
-      _mm256_storeu_ps(yt, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums[t][0], ones)),
-                                           _mm256_mul_ps(d0, dx), _mm256_fmadd_ps(m0, xs, _mm256_loadu_ps(yt))));
-      _mm256_storeu_ps(yt + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums[t][1], ones)),
-                                               _mm256_mul_ps(d1, dx), _mm256_fmadd_ps(m1, xs, _mm256_loadu_ps(yt + 8))));
-    }
+      _mm256_storeu_ps(yt, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s0, ones)), _mm256_mul_ps(d0, dx),
+                                           _mm256_fmadd_ps(m0, xs, _mm256_loadu_ps(yt))));
+      _mm256_storeu_ps(yt + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s1, ones)), _mm256_mul_ps(d1, dx),
+                                               _mm256_fmadd_ps(m1, xs, _mm256_loadu_ps(yt + 8))));
+    };
+    update(0, s00, s01);
+    update(1, s10, s11);
+    update(2, s20, s21);
+    update(3, s30, s31);
   }
 }
 #else

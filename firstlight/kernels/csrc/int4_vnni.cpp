@@ -196,7 +196,7 @@ void avx2_tile(const int8_t* qx, int64_t ldq, const float* sc, int64_t lds, int6
 }
 
 #if defined(__GNUC__) && defined(__x86_64__)
-// Four activation rows x one tile, the octet loop in inline asm. avx2_tile<4> holds 8 int16 and 8 fp32 sums in
+// Four activation rows x one tile, each block's 4 octets in inline asm. avx2_tile<4> holds 8 int16 and 8 fp32 sums in
 // 16 ymm registers and GCC spills them (about 150 stack loads and stores a tile); here the 8 int16 sums, the 4
 // unpacked weight registers, the 2 activation broadcasts, one product and the nibble mask take the 16 registers
 // and nothing spills, and each broadcast feeds 2 maddubs (both halves of the tile); the fp32 sums live in y,
@@ -225,31 +225,31 @@ void avx2_tile4(const int8_t* qx, int64_t ldq, const float* sc, int64_t lds, int
     // moved the 8 sums between registers and reloaded the mask every octet (+9 instructions on ~58), and
     // with the blocks in a loop over groups and one over a group's blocks it lost the same again: 1.08x each.
     // AT&T order: vpmaddubsw xl, lo0, prod is prod = maddubs(lo0 unsigned, xl signed).
-#define FIRSTLIGHT_ROW(XL, XH, S0, S1)                 \
-"vpbroadcastd " XL ", %[xl]\n\t"                     \
-"vpbroadcastd " XH ", %[xh]\n\t"                     \
-"vpmaddubsw %[xl], %[lo0], %[prod]\n\t"              \
-"vpaddw %[prod], %[" S0 "], %[" S0 "]\n\t"           \
-"vpmaddubsw %[xh], %[hi0], %[prod]\n\t"              \
-"vpaddw %[prod], %[" S0 "], %[" S0 "]\n\t"           \
-"vpmaddubsw %[xl], %[lo1], %[prod]\n\t"              \
-"vpaddw %[prod], %[" S1 "], %[" S1 "]\n\t"           \
-"vpmaddubsw %[xh], %[hi1], %[prod]\n\t"              \
-"vpaddw %[prod], %[" S1 "], %[" S1 "]\n\t"
+#define FIRSTLIGHT_ROW(XL, XH, S0, S1)                                                                         \
+  "vpbroadcastd " XL ", %[xl]\n\t"                                                                             \
+  "vpbroadcastd " XH ", %[xh]\n\t"                                                                             \
+  "vpmaddubsw %[xl], %[lo0], %[prod]\n\t"                                                                      \
+  "vpaddw %[prod], %[" S0 "], %[" S0 "]\n\t"                                                                   \
+  "vpmaddubsw %[xh], %[hi0], %[prod]\n\t"                                                                      \
+  "vpaddw %[prod], %[" S0 "], %[" S0 "]\n\t"                                                                   \
+  "vpmaddubsw %[xl], %[lo1], %[prod]\n\t"                                                                      \
+  "vpaddw %[prod], %[" S1 "], %[" S1 "]\n\t"                                                                   \
+  "vpmaddubsw %[xh], %[hi1], %[prod]\n\t"                                                                      \
+  "vpaddw %[prod], %[" S1 "], %[" S1 "]\n\t"
 // octet o: weights at 64 o (W) and 64 o + 32 from p, activations at 8 o (XL) and 8 o + 4 (XH) of each row
-#define FIRSTLIGHT_OCTET(W, XL, XH)                                                                       \
-"vpand " W "(%[p]), %[low], %[lo0]\n\t"                                                               \
-"vmovdqu " W "(%[p]), %[hi0]\n\t"                                                                     \
-"vpsrlw $4, %[hi0], %[hi0]\n\t"                                                                       \
-"vpand 32+" W "(%[p]), %[low], %[lo1]\n\t"                                                            \
-"vmovdqu 32+" W "(%[p]), %[hi1]\n\t"                                                                  \
-"vpsrlw $4, %[hi1], %[hi1]\n\t"                                                                       \
-"vpand %[hi0], %[low], %[hi0]\n\t"                                                                    \
-"vpand %[hi1], %[low], %[hi1]\n\t"                                                                    \
-FIRSTLIGHT_ROW(XL "(%[x])", XH "(%[x])", "s00", "s01")                                                 \
-FIRSTLIGHT_ROW(XL "(%[x],%[ldq])", XH "(%[x],%[ldq])", "s10", "s11")                                   \
-FIRSTLIGHT_ROW(XL "(%[x],%[ldq],2)", XH "(%[x],%[ldq],2)", "s20", "s21")                               \
-FIRSTLIGHT_ROW(XL "(%[x3])", XH "(%[x3])", "s30", "s31")
+#define FIRSTLIGHT_OCTET(W, XL, XH)                                                                            \
+  "vpand " W "(%[p]), %[low], %[lo0]\n\t"                                                                      \
+  "vmovdqu " W "(%[p]), %[hi0]\n\t"                                                                            \
+  "vpsrlw $4, %[hi0], %[hi0]\n\t"                                                                              \
+  "vpand 32+" W "(%[p]), %[low], %[lo1]\n\t"                                                                   \
+  "vmovdqu 32+" W "(%[p]), %[hi1]\n\t"                                                                         \
+  "vpsrlw $4, %[hi1], %[hi1]\n\t"                                                                              \
+  "vpand %[hi0], %[low], %[hi0]\n\t"                                                                           \
+  "vpand %[hi1], %[low], %[hi1]\n\t"                                                                           \
+  FIRSTLIGHT_ROW(XL "(%[x])", XH "(%[x])", "s00", "s01")                                                       \
+  FIRSTLIGHT_ROW(XL "(%[x],%[ldq])", XH "(%[x],%[ldq])", "s10", "s11")                                         \
+  FIRSTLIGHT_ROW(XL "(%[x],%[ldq],2)", XH "(%[x],%[ldq],2)", "s20", "s21")                                     \
+  FIRSTLIGHT_ROW(XL "(%[x3])", XH "(%[x3])", "s30", "s31")
     __asm__(FIRSTLIGHT_OCTET("0", "0", "4") FIRSTLIGHT_OCTET("64", "8", "12")
             FIRSTLIGHT_OCTET("128", "16", "20") FIRSTLIGHT_OCTET("192", "24", "28")
             : [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11), [s20] "+x"(s20),

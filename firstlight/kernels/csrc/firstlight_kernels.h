@@ -31,6 +31,14 @@ at::Tensor f32_mm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t 
 
 namespace firstlight {
 
+// The group of block b (blocks of 32 input channels, groups of G) is b >> block_group_shift(G): G / 32 is a power
+// of two (the ops check it), so no division per block.
+inline int block_group_shift(int64_t G) {
+  int shift = 0;
+  while ((int64_t{32} << shift) < G) ++shift;
+  return shift;
+}
+
 // int4_gemv.cpp: one activation row x [K] -> qx [K] int8 per block of 32 (qx = round(x * 127 / max|x_b|)),
 // dx [K/32] = max|x_b| / 127, xs [K/G] = per group of G the sum of dx_b * sum(qx_b).
 void quantize_row_q8(const float* x, int64_t K, int64_t G, int8_t* qx, float* dx, float* xs);

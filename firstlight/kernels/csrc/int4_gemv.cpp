@@ -136,8 +136,7 @@ template <int R>
 void rows_avx2_m1(const float* xt, const float* xs, const uint8_t* wq, const float* d, const float* m, int64_t K,
                   int64_t G, float* y, int64_t n) {
   const int64_t ngroups = K / G, nblocks = K / kBlock, ld = K / 2;
-  int shift = 0;  // block -> group: b >> shift (G / 32 is a power of two)
-  while ((kBlock << shift) < G) ++shift;
+  const int shift = firstlight::block_group_shift(G);  // block -> group: b >> shift
   const uint8_t* w = wq + n * ld;
   const float* dr = d + n * ngroups;
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -192,8 +191,7 @@ inline void hsums(const __m256* acc, float* out) {
 void dequant_int4_avx2(const uint8_t* wq, const float* d, const float* m, int64_t K, int64_t G, int64_t n0,
                        int64_t n1, int64_t kb0, int64_t kb1, float* out, int64_t ldo) {
   const int64_t ngroups = K / G;
-  int shift = 0;  // block -> group: b >> shift (G / 32 is a power of two; no division per block)
-  while ((kBlock << shift) < G) ++shift;
+  const int shift = firstlight::block_group_shift(G);  // block -> group: b >> shift
   const __m256i mask = _mm256_set1_epi32(0xF);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = wq + n * (K / 2);
@@ -399,8 +397,7 @@ template <int R, int MT>
 void rows_avx2_a8(const int8_t* qx, const float* sc, int64_t lds, int64_t K, const uint8_t* wq, const float* d,
                   const float* m, int64_t G, float* y, int64_t ldy, int64_t n) {
   const int64_t ngroups = K / G, nblocks = K / kBlock;
-  int shift = 0;
-  while ((kBlock << shift) < G) ++shift;
+  const int shift = firstlight::block_group_shift(G);  // block -> group: b >> shift
   const __m256i low = _mm256_set1_epi8(0xF);
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i nib = _mm256_set_epi64x(4, 4, 0, 0);
@@ -460,8 +457,7 @@ template <int R>
 void rows_avx2_a8_m1(const int8_t* qx, const float* sc, int64_t K, const uint8_t* wq, const float* d,
                      const float* m, int64_t G, float* y, int64_t n) {
   const int64_t ngroups = K / G, nblocks = K / kBlock, ld = K / 2;
-  int shift = 0;
-  while ((kBlock << shift) < G) ++shift;
+  const int shift = firstlight::block_group_shift(G);  // block -> group: b >> shift
   const uint8_t* w = wq + n * ld;
   const float* dr = d + n * ngroups;
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;

@@ -211,8 +211,7 @@ void avx2_tile4(const int8_t* qx, int64_t ldq, const float* sc, int64_t lds, int
     _mm256_storeu_ps(yc + t * ldy, _mm256_setzero_ps());
     _mm256_storeu_ps(yc + t * ldy + 8, _mm256_setzero_ps());
   }
-  int shift = 0;  // block -> group: b >> shift (G / 32 is a power of two)
-  while ((kBlock << shift) < G) ++shift;
+  const int shift = firstlight::block_group_shift(G);  // block -> group: b >> shift
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t g = b >> shift;
     // s[t][h]: row t's int16 sums for rows 8h..8h+7 of the tile
